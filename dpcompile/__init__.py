@@ -1,0 +1,59 @@
+"""dpcompile: differentially private training inside torch.compile.
+
+    step = torch.compile(train_step, backend="dp_fsdp",
+                         options={"max_grad_norm": 1.0, "noise_multiplier": 1.1,
+                                  "expected_batch_size": 256})
+
+or ``@dpcompile.private_step(max_grad_norm=1.0, ...)``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend
+from dpcompile.config import DPConfig
+from dpcompile.debug import dump_graphs
+from dpcompile.errors import DPCompileError
+
+__all__ = [
+    "DPBackend", "DPCompileError", "DPConfig", "CompiledStep", "dump_graphs", "get_backend", "private_step", "dp_fsdp",
+]
+
+
+def private_step(fn: Callable | None = None, **options: Any):
+    """Decorator: ``@private_step(max_grad_norm=..., noise_multiplier=..., ...)``.
+
+    The same as ``torch.compile(fn, backend="dp_fsdp", options=options)``; the
+    returned function has ``.dp_backend`` (the DPBackend, with the compiled
+    graphs and the noise state for checkpoints).
+    """
+    backend = get_backend(options)
+
+    def wrap(f: Callable) -> Callable:
+        compiled = torch.compile(f, backend=backend)
+
+        @functools.wraps(f)
+        def step(*args, **kwargs):
+            return compiled(*args, **kwargs)
+
+        step.dp_backend = backend  # type: ignore[attr-defined]
+        return step
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def _register_if_missing() -> None:
+    # With `pip install` the entry point registers "dp_fsdp" lazily; from a
+    # plain source checkout register it here (never twice).
+    from torch._dynamo.backends import registry
+
+    try:
+        registry.lookup_backend("dp_fsdp")
+    except Exception:
+        registry.register_backend(dp_fsdp, "dp_fsdp")
+
+
+_register_if_missing()

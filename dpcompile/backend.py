@@ -1,0 +1,301 @@
+"""The dp_fsdp torch.compile backend.
+
+Dynamo hands us the forward graph of the step (``loss.backward()`` graph-
+breaks); ``compile_fx`` runs AOTAutograd and calls our partitioner with the
+joint forward/backward graph, where the dp passes rewrite the parameter
+gradients; the min-cut partitioner and Inductor take it from there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from dpcompile.config import DPConfig
+from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
+from dpcompile.fx_utils import clean_module_path, known
+from dpcompile.noise import NoiseSeeds
+from dpcompile.passes import PASSES, DPPassContext, ParamInfo
+from dpcompile.passes.cleanup import finalize
+
+SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
+
+
+@dataclasses.dataclass
+class GraphInput:
+    index: int
+    kind: str  # "param", "frozen_param", "buffer", "data", "constant", "symint"
+    name: str
+    batch_dim: int | None = None
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """What one compile produced, kept for inspection (``backend.compiled``)."""
+
+    compile_id: str
+    inputs: list[GraphInput]
+    graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> readable graph
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dump_files: list[str] = dataclasses.field(default_factory=list)
+    dp: bool = True  # False: the graph had no trainable parameter and was compiled as is
+
+
+def _source_name(grapharg) -> str:
+    src = getattr(grapharg, "source", None)
+    if src is None:
+        return ""
+    n = src.name
+    return n() if callable(n) else str(n)
+
+
+def _arg_name(source: str) -> str:
+    # L['x'] -> x ; L['batch']['ids'] -> batch.ids
+    return clean_module_path(source) if not source.startswith("L[") else \
+        ".".join(p.strip("'\"") for p in source[1:].replace("][", "|").strip("[]").split("|"))
+
+
+def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> list[GraphInput]:
+    out = []
+    for i, (node, ex) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
+        ga = node.meta.get("grapharg")
+        src = _source_name(ga) if ga is not None else ""
+        example = getattr(ga, "example", None) if ga is not None else None
+        example = ex if example is None else example
+        if not isinstance(example, torch.Tensor):
+            out.append(GraphInput(i, "symint", src or node.name))
+        elif isinstance(example, nn.Parameter):
+            out.append(GraphInput(i, "param" if example.requires_grad else "frozen_param", clean_module_path(src)))
+        elif "_buffers[" in src:
+            out.append(GraphInput(i, "buffer", clean_module_path(src)))
+        elif src.startswith("L["):
+            name = _arg_name(src)
+            out.append(GraphInput(i, "data", name, config.batch_dim_for(name)))
+        else:
+            out.append(GraphInput(i, "constant", clean_module_path(src) if src else node.name))
+    return out
+
+
+class DPPartitioner(CustomPartitionerFn):
+    """Runs the dp passes on the joint graph, then Inductor's min-cut partitioner."""
+
+    def __init__(self, backend: "DPBackend", record: CompiledStep, dumper: GraphDumper):
+        self.backend = backend
+        self.record = record
+        self.dumper = dumper
+
+    def uuid(self):
+        return None  # never serve a cached artifact compiled under other DP options
+
+    def __deepcopy__(self, memo):
+        return self  # Inductor copies its config; this object holds live compile state
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        ctx = self._context(gm, kwargs["num_fwd_outputs"])
+        self._dump("joint_graph_before_dp", gm)
+        for p in PASSES:
+            if p.name in self.backend.config.disable_passes:
+                continue
+            gm = p.fn(gm, ctx)
+            if p.name == "clip_schedule" or p.name == "gaussian_noise" or p.name == "cleanup":
+                finalize(gm)
+            self._dump(f"joint_after_{p.name}", gm)
+        finalize(gm)
+        self._dump("joint_graph_after_dp", gm)
+        self.record.counters = dict(ctx.counters)
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self._dump("forward", fw)
+        self._dump("backward", bw)
+        ctx.summary["counters"] = dict(ctx.counters)
+        ctx.summary["graph_ops"] = {
+            "forward": _op_counts(fw), "backward": _op_counts(bw),
+        }
+        ctx.summary["compile_id"] = self.record.compile_id
+        ctx.summary["rank"] = 0
+        ctx.summary["batch_size"] = str(ctx.batch_size)
+        self.record.summary = ctx.summary
+        self.dumper.dump_summary(ctx.summary)
+        self.record.dump_files = list(self.dumper.files)
+        return fw, bw
+
+    def _dump(self, stage: str, gm: fx.GraphModule) -> None:
+        text = graph_text(gm)
+        self.record.graphs[stage] = text
+        self.dumper.dump(stage, text)
+
+    def _context(self, gm: fx.GraphModule, num_fwd_outputs: int) -> DPPassContext:
+        cfg = self.backend.config
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        primals = [p for p in placeholders if not p.name.startswith("tangents")]
+        by_index: dict[int, fx.Node] = {}
+        for pos, p in enumerate(primals):
+            desc = p.meta.get("desc")
+            idx = getattr(desc, "idx", None)
+            by_index[idx if idx is not None else pos] = p
+        out = gm.graph.find_nodes(op="output")[0]
+        grad_pos: dict[int, int] = {}
+        descs = out.meta.get("desc") or []
+        for j, d in enumerate(descs):
+            of = getattr(d, "grad_of", None)
+            if of is not None and getattr(of, "idx", None) is not None:
+                grad_pos[of.idx] = j
+        if not grad_pos:  # older layout: one gradient per primal after the forward outputs
+            grad_pos = {i: num_fwd_outputs + i for i in range(len(primals))}
+        params, data = [], {}
+        inputs = self.record.inputs
+        noise_index = 0
+        for gi in inputs:
+            node = by_index.get(gi.index)
+            if node is None:
+                continue
+            if gi.kind == "param":
+                j = grad_pos.get(gi.index)
+                if j is None or out.args[0][j] is None:
+                    continue  # unused by the loss: no gradient, no noise
+                params.append(ParamInfo(gi.name, node, j, noise_index))
+                noise_index += 1
+            elif gi.kind == "data":
+                data[node] = (gi.name, gi.batch_dim)
+        seeds_pos = len(inputs)
+        seeds_node = by_index.get(seeds_pos)
+        ctx = DPPassContext(
+            config=cfg, params=params, data_inputs=data,
+            seeds_input_index=placeholders.index(seeds_node) if seeds_node is not None else None,
+            num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id,
+        )
+        ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
+        self.backend._n_noise = max(self.backend._n_noise, noise_index)
+        return ctx
+
+
+def _op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            k = str(n.target)
+            counts[k] = counts.get(k, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+class DPBackend:
+    """A dp_fsdp backend instance: ``torch.compile(step, backend=DPBackend(...))``.
+
+    Keeps every graph it compiled (``.compiled``) and the noise stream state
+    shared by all of them (``state_dict()`` / ``load_state_dict()``), so a
+    recompile (a new batch size) never replays noise of an earlier step.
+    """
+
+    def __init__(self, config: DPConfig | None = None, **options: Any):
+        if config is None:
+            config = DPConfig.from_options(options)
+        elif options:
+            raise ValueError("pass either a DPConfig or keyword options, not both")
+        self.config = config
+        self.compiled: list[CompiledStep] = []
+        self.noise = NoiseSeeds(config.seed)
+        self._n_noise = 0
+        self._lock = threading.Lock()
+
+    # noise stream state, for checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return self.noise.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.noise.load_state_dict(state)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
+        from torch._guards import CompileContext
+        from torch._inductor.compile_fx import compile_fx
+
+        cid = CompileContext.current_compile_id()
+        compile_id = str(cid) if cid is not None else str(len(self.compiled))
+        inputs = classify_inputs(gm, example_inputs, self.config)
+        record = CompiledStep(compile_id, inputs)
+        self.compiled.append(record)
+        dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())
+        record.graphs["dynamo"] = graph_text(gm)
+        dumper.dump("dynamo_graph", record.graphs["dynamo"])
+        if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
+            record.dp = False
+            return compile_fx(gm, example_inputs)
+
+        device = next(ex.device for ex, gi in zip(example_inputs, inputs) if gi.kind == "param")
+        seeds_example = self.noise.example(len(inputs), device)
+        gm = _with_seeds_input(gm, seeds_example)
+        part = DPPartitioner(self, record, dumper)
+        compiled = compile_fx(gm, [*example_inputs, seeds_example], config_patches={"custom_partitioner_fn": part})
+        n_seeds = len(inputs)
+
+        def dp_step(*args):
+            seeds = self.noise.next(n_seeds, device)
+            return compiled(*args, seeds)
+
+        dp_step._dpcompile_record = record  # type: ignore[attr-defined]
+        return dp_step
+
+
+def _with_seeds_input(gm: fx.GraphModule, seeds_example: torch.Tensor) -> fx.GraphModule:
+    """A copy of dynamo's graph with one more input, the noise seeds.
+
+    Dynamo keeps using its own graph after the backend returns, so the extra
+    placeholder goes on a copy that carries what AOTAutograd reads from a
+    dynamo graph (its meta, parameter sources and per-placeholder sources).
+    """
+    import copy
+
+    new_graph = copy.deepcopy(gm.graph)
+    new = fx.GraphModule(gm, new_graph)
+    new.meta = dict(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    for old_ph, new_ph in zip(gm.graph.find_nodes(op="placeholder"), new_graph.find_nodes(op="placeholder")):
+        if hasattr(old_ph, "_dynamo_source"):
+            new_ph._dynamo_source = old_ph._dynamo_source
+    last = new_graph.find_nodes(op="placeholder")[-1]
+    with new_graph.inserting_after(last):
+        ph = new_graph.placeholder(SEEDS_INPUT_NAME)
+    ph.meta["example_value"] = seeds_example
+    ph.meta["val"] = seeds_example
+    ph._dynamo_source = None  # not a user input
+    new.recompile()
+    return new
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+_BACKENDS: dict[DPConfig, DPBackend] = {}
+_BACKENDS_LOCK = threading.Lock()
+
+
+def get_backend(options: dict[str, Any] | DPConfig) -> DPBackend:
+    """The backend instance ``backend="dp_fsdp", options=options`` compiles with."""
+    cfg = options if isinstance(options, DPConfig) else DPConfig.from_options(options)
+    with _BACKENDS_LOCK:
+        if cfg not in _BACKENDS:
+            _BACKENDS[cfg] = DPBackend(cfg)
+        return _BACKENDS[cfg]
+
+
+def dp_fsdp(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None, **kwargs: Any):
+    """Entry point of ``torch.compile(step, backend="dp_fsdp", options={...})``."""
+    if kwargs:
+        raise ValueError(f"dp_fsdp takes its settings through options=..., not {sorted(kwargs)}")
+    if not options:
+        raise ValueError(
+            "dp_fsdp needs options, e.g. torch.compile(step, backend='dp_fsdp', "
+            "options={'max_grad_norm': 1.0, 'noise_multiplier': 1.0, 'expected_batch_size': 256})"
+        )
+    return get_backend(options)(gm, example_inputs)

@@ -1,0 +1,119 @@
+"""The validated options of the dp_fsdp backend."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+SCHEDULES = ("bk", "ghost", "auto")
+LINEAR_NORM_ALGORITHMS = ("auto", "ghost", "direct")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPConfig:
+    """Options of ``torch.compile(step, backend="dp_fsdp", options={...})``.
+
+    max_grad_norm: C, the flat per-sample clipping bound over all trainable
+        parameters.
+    noise_multiplier: s; each gradient coordinate gets N(0, s^2 C^2) noise
+        (before the 1/expected_batch_size scaling of a mean loss).
+    expected_batch_size: the batch size the 1/B of a mean loss is replaced by
+        (Opacus's convention). Required when the loss is a mean over the batch.
+    schedule: "bk" (one backward, weight-gradient contractions deferred until
+        the clip coefficients are known), "ghost" (norm-only first backward,
+        then a second with per-sample scaled tangents) or "auto" (bk for every
+        contraction whose deferred operands fit ``memory_budget`` bytes,
+        recompute the rest).
+    seed: seeds the noise generator; None draws a fresh seed from the OS.
+    dump_dir: write readable graph dumps and a summary per compile here.
+    batch_dim: which dim of each data input (a tensor argument of the step
+        that is not a parameter or buffer) holds the samples. An int applies
+        to all; a mapping from argument name to dim (or None for "not
+        batched") overrides single inputs; unnamed ones keep dim 0.
+    disable_passes: names of optional passes to skip (see dpcompile.passes).
+    norm_eps: c_i = min(1, C / (||g_i|| + norm_eps)).
+    memory_budget: bytes of deferred output gradients "auto" may keep.
+    linear_norm: per-sample norm algorithm for contractions with several
+        rows per sample: "auto" picks ghost or direct per layer by cost.
+    """
+
+    max_grad_norm: float
+    noise_multiplier: float
+    expected_batch_size: int | None = None
+    schedule: str = "bk"
+    seed: int | None = None
+    dump_dir: str | None = None
+    batch_dim: int | Mapping[str, int | None] = 0
+    disable_passes: tuple[str, ...] = ()
+    norm_eps: float = 1e-6
+    memory_budget: int = 1 << 30
+    linear_norm: str = "auto"
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"dp_fsdp option {msg}")
+
+        if not _is_real(self.max_grad_norm) or not (0 < self.max_grad_norm < math.inf):
+            bad(f"max_grad_norm must be a positive finite number, got {self.max_grad_norm!r}")
+        if not _is_real(self.noise_multiplier) or not (0 <= self.noise_multiplier < math.inf):
+            bad(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}")
+        if self.expected_batch_size is not None and (
+            isinstance(self.expected_batch_size, bool)
+            or not isinstance(self.expected_batch_size, int)
+            or self.expected_batch_size <= 0
+        ):
+            bad(f"expected_batch_size must be a positive int, got {self.expected_batch_size!r}")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.linear_norm not in LINEAR_NORM_ALGORITHMS:
+            bad(f"linear_norm must be one of {LINEAR_NORM_ALGORITHMS}, got {self.linear_norm!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad(f"seed must be an int or None, got {self.seed!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            object.__setattr__(self, "dump_dir", str(self.dump_dir))
+        if isinstance(self.batch_dim, Mapping):
+            for k, v in self.batch_dim.items():
+                if not isinstance(k, str) or not (v is None or (isinstance(v, int) and not isinstance(v, bool))):
+                    bad(f"batch_dim must map argument names to an int dim or None, got {k!r}: {v!r}")
+            # frozen + hashable: keep a sorted tuple of pairs
+            object.__setattr__(self, "batch_dim", tuple(sorted(self.batch_dim.items())))
+        elif isinstance(self.batch_dim, tuple):
+            pass  # already normalised (replace() of a normalised config)
+        elif isinstance(self.batch_dim, bool) or not isinstance(self.batch_dim, int):
+            bad(f"batch_dim must be an int or a mapping of argument name to dim, got {self.batch_dim!r}")
+        if isinstance(self.disable_passes, str):
+            object.__setattr__(self, "disable_passes", (self.disable_passes,))
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        if not _is_real(self.norm_eps) or not (0 <= self.norm_eps < math.inf):
+            bad(f"norm_eps must be a finite number >= 0, got {self.norm_eps!r}")
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 0:
+            bad(f"memory_budget must be a number of bytes >= 0, got {self.memory_budget!r}")
+        # Pass names are checked against the registry lazily (import cycle).
+        from dpcompile.passes import check_disable_passes
+
+        check_disable_passes(self.disable_passes)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "DPConfig":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown dp_fsdp option(s) {unknown}; known options are {sorted(known)}"
+            )
+        missing = [n for n in ("max_grad_norm", "noise_multiplier") if n not in options]
+        if missing:
+            raise ValueError(f"dp_fsdp needs the option(s) {missing}")
+        return cls(**options)
+
+    def batch_dim_for(self, arg_name: str) -> int | None:
+        """The batch dim of the data input named ``arg_name`` (None: not batched)."""
+        if isinstance(self.batch_dim, int):
+            return self.batch_dim
+        return dict(self.batch_dim).get(arg_name, 0)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

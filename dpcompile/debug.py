@@ -1,0 +1,101 @@
+"""Graph dumps: readable files per compile, rank, stage and pass, and TORCH_TRACE artifacts."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import torch.fx as fx
+
+_dump_dir_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("dpcompile_dump_dir", default=None)
+
+
+@contextlib.contextmanager
+def dump_graphs(directory: str | os.PathLike) -> Iterator[None]:
+    """Within this block, every dp_fsdp compile writes its graphs under ``directory``."""
+    tok = _dump_dir_override.set(os.fspath(directory))
+    try:
+        yield
+    finally:
+        _dump_dir_override.reset(tok)
+
+
+def resolve_dump_dir(option: str | None) -> str | None:
+    return option or _dump_dir_override.get() or os.environ.get("DPCOMPILE_DUMP_DIR") or None
+
+
+def graph_text(gm: fx.GraphModule) -> str:
+    try:
+        return gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
+    except TypeError:
+        return gm.print_readable(print_output=False)
+
+
+class GraphDumper:
+    """Writes ``<dir>/<compile id>/rank<r>/<NN>_<stage>.py`` and trace artifacts."""
+
+    def __init__(self, directory: str | None, compile_id: str, rank: int):
+        self.directory = directory
+        self.prefix = f"dpcompile_{compile_id}_rank{rank}"
+        self.folder = os.path.join(directory, _safe(compile_id), f"rank{rank}") if directory else None
+        self.count = 0
+        self.files: list[str] = []
+
+    def dump(self, stage: str, body: str) -> None:
+        name = f"{self.count:02d}_{_safe(stage)}"
+        self.count += 1
+        _trace_artifact(f"{self.prefix}_{name}", body)
+        if self.folder:
+            os.makedirs(self.folder, exist_ok=True)
+            path = os.path.join(self.folder, name + ".py")
+            with open(path, "w") as f:
+                f.write(body)
+            self.files.append(path)
+
+    def dump_summary(self, summary: dict[str, Any]) -> None:
+        text = format_summary(summary)
+        _trace_artifact(f"{self.prefix}_summary", text)
+        if self.folder:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(os.path.join(self.folder, "summary.txt"), "w") as f:
+                f.write(text)
+            with open(os.path.join(self.folder, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2, default=str)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = ["dpcompile summary", "=" * 17]
+    for key in ("compile_id", "rank", "batch_size", "loss", "schedule", "noise", "counters", "graph_ops"):
+        if key in s:
+            lines.append(f"{key}: {json.dumps(s[key], default=str)}")
+    lines.append("")
+    lines.append("parameters:")
+    for name, e in s.get("params", {}).items():
+        lines.append(f"  {name} {e.get('shape')}")
+        for k in ("decomposition", "norm", "why", "schedule"):
+            if k in e:
+                lines.append(f"    {k}: {e[k]}")
+    for key in ("frozen", "notes"):
+        if s.get(key):
+            lines.append(f"{key}: {json.dumps(s[key], default=str)}")
+    return "\n".join(lines) + "\n"
+
+
+def _trace_artifact(name: str, payload: str) -> None:
+    try:
+        from torch._logging import trace_structured
+
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": name, "encoding": "string"},
+            payload_fn=lambda: payload,
+        )
+    except Exception:  # tracing is best-effort; never break a compile over it
+        pass
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)

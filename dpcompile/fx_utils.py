@@ -1,0 +1,126 @@
+"""Small FX helpers shared by the passes: naming, fake-value node building."""
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+
+# Meta keys carried from an original node onto the nodes built for it, so the
+# dumps and error messages keep pointing at the user's module and source line.
+_CARRIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr", "source_fn_stack")
+
+
+def known(cond: Any) -> bool:
+    """True only when ``cond`` holds for every value of the symbols in it."""
+    if isinstance(cond, bool):
+        return cond
+    return statically_known_true(cond)
+
+
+def clean_module_path(path: str) -> str:
+    """``L['model']._modules['fc']`` / ``G['m'].layers[0].fc`` -> ``fc`` / ``layers.0.fc``."""
+    path = re.sub(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"^(L|G)\.[^.]+", "", path)
+    path = path.replace("._orig_mod", "")
+    return path.lstrip(".") or "<root>"
+
+
+def module_of(node: fx.Node) -> str:
+    """The innermost user module a graph node came from, e.g. ``blocks.0.mlp.fc (Linear)``."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return "<top level of the step function>"
+    path, ty = list(stack.values())[-1]
+    name = getattr(ty, "__name__", None) or str(ty).rsplit(".", 1)[-1].rstrip("'>")
+    return f"{clean_module_path(path)} ({name})"
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+def source_line(node: fx.Node) -> str:
+    st = node.meta.get("stack_trace")
+    if not st:
+        return ""
+    lines = [l.strip() for l in st.strip().splitlines() if l.strip()]
+    return lines[-1] if lines else ""
+
+
+def val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    assert mode is not None, "joint graph nodes carry no fake values"
+    return mode
+
+
+class GraphBuilder:
+    """Inserts aten calls into a graph and fills ``meta['val']`` by running the
+    op on the fake values of its arguments (so the partitioner and Inductor see
+    correct shapes, dtypes and strides)."""
+
+    def __init__(self, graph: fx.Graph, *, tag: str = "is_backward", counter: Callable[[str], None] | None = None):
+        self.graph = graph
+        self.fake_mode = fake_mode_of(graph)
+        self.tag = tag
+        self.meta_source: fx.Node | None = None
+        self.added = 0
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        fargs, fkwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fargs, **fkwargs)
+        if self.meta_source is not None:
+            for k in _CARRIED_META:
+                if k in self.meta_source.meta:
+                    node.meta[k] = self.meta_source.meta[k]
+        if self.tag:
+            node.meta["partitioner_tag"] = self.tag
+        node.meta["dpcompile"] = True
+        self.added += 1
+        return node
+
+    # -- conveniences -------------------------------------------------------
+    def f32(self, x: fx.Node) -> fx.Node:
+        if x.meta["val"].dtype == torch.float32:
+            return x
+        return self.call(torch.ops.prims.convert_element_type.default, x, torch.float32)
+
+    def view(self, x: fx.Node, shape) -> fx.Node:
+        return self.call(aten.view.default, x, list(shape))
+
+    def reshape(self, x: fx.Node, shape) -> fx.Node:
+        return self.call(aten.reshape.default, x, list(shape))
+
+    def permute(self, x: fx.Node, dims) -> fx.Node:
+        dims = list(dims)
+        if dims == list(range(len(dims))):
+            return x
+        return self.call(aten.permute.default, x, dims)
+
+    def sq_sum_per_sample(self, x: fx.Node) -> fx.Node:
+        """[B, ...] -> [B]: sum of squares in fp32."""
+        x = self.f32(x)
+        sq = self.call(aten.mul.Tensor, x, x)
+        nd = x.meta["val"].dim()
+        if nd == 1:
+            return sq
+        return self.call(aten.sum.dim_IntList, sq, list(range(1, nd)))

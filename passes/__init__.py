@@ -1,0 +1,55 @@
+"""The dp passes over the AOTAutograd joint graph, in order.
+
+Each pass is ``name_pass(gm, ctx) -> gm`` in its own module. ``PASSES`` is
+the ordered list; a pass marked optional can be disabled by name through the
+``disable_passes`` option. The others carry the privacy guarantee and cannot
+be disabled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch.fx as fx
+
+from .batch_dims import batch_dim_analysis_pass
+from .cleanup import cleanup_pass
+from .clip_schedule import clip_schedule_pass
+from .context import DPPassContext, ParamInfo
+from .loss_reduction import loss_reduction_pass
+from .noise import gaussian_noise_pass
+from .param_grads import param_grad_decomposition_pass
+from .per_sample_norms import per_sample_norms_pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    name: str
+    fn: Callable[[fx.GraphModule, DPPassContext], fx.GraphModule]
+    optional: bool = False
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("batch_dim_analysis", batch_dim_analysis_pass),
+    Pass("loss_reduction", loss_reduction_pass),
+    Pass("param_grad_decomposition", param_grad_decomposition_pass),
+    Pass("per_sample_norms", per_sample_norms_pass),
+    Pass("clip_schedule", clip_schedule_pass),
+    Pass("gaussian_noise", gaussian_noise_pass),
+    Pass("cleanup", cleanup_pass, optional=True),
+)
+
+
+def check_disable_passes(names) -> None:
+    by_name = {p.name: p for p in PASSES}
+    for n in names:
+        if n not in by_name:
+            raise ValueError(f"disable_passes: unknown pass {n!r}; passes are {[p.name for p in PASSES]}")
+        if not by_name[n].optional:
+            raise ValueError(
+                f"disable_passes: pass {n!r} computes part of the DP gradient and cannot be disabled; "
+                f"optional passes: {[p.name for p in PASSES if p.optional]}"
+            )
+
+
+__all__ = ["PASSES", "Pass", "DPPassContext", "ParamInfo", "check_disable_passes"]

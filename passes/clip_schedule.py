@@ -1,0 +1,212 @@
+"""Clip-scaled gradients: book-keeping (deferred contractions) and ghost (second backward).
+
+Backprop is linear in the loss tangent and keeps samples apart, so the
+gradient of sum_i r_i l_i is every per-sample contribution scaled by r_i:
+
+- bk: each deferred contribution is rebuilt after the clip coefficients with
+  its tangent-side operand row-scaled, ``mm((r*G)^T, A)``; the original
+  contraction is dropped. One backward.
+- ghost: the first backward keeps only what the norms need (its weight
+  contractions die); a copy of the backward runs with the tangent scaled per
+  sample where it first meets per-sample data, and provides the gradients.
+- auto: bk for contributions whose deferred operand fits the memory budget
+  (farthest from the loss first), ghost for the rest.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile.errors import DPCompileError
+from dpcompile.fx_utils import GraphBuilder, module_of, op_name
+
+from .batch_dims import FREE, Batched, Contribution, Reduced
+from .context import DPPassContext
+
+aten = torch.ops.aten
+
+
+def sample_scale(b: GraphBuilder, lay: Batched, r: fx.Node, B: Any, ndim: int, d: int, N: Any, dtype) -> fx.Node:
+    """r laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1], value r[sample(j)]."""
+    R = b.call(aten.expand.default, b.view(r, [1, B, 1]), [lay.outer, B, lay.inner])
+    shape = [1] * ndim
+    shape[d] = N
+    R = b.reshape(R, shape)
+    if dtype != torch.float32:
+        R = b.call(torch.ops.prims.convert_element_type.default, R, dtype)
+    return R
+
+
+def row_scale(b: GraphBuilder, x: fx.Node, lay: Batched, r: fx.Node, B: Any) -> fx.Node:
+    """x * r[sample(j)] along x's sample dim, r cast to x's dtype."""
+    xv = x.meta["val"]
+    return b.call(aten.mul.Tensor, x, sample_scale(b, lay, r, B, xv.dim(), lay.dim, xv.shape[lay.dim], xv.dtype))
+
+
+def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node, B: Any) -> fx.Node:
+    node = c.node
+    args = list(node.args)
+    if c.kind == "mm":
+        i = c.scaled_operand
+        args[i] = row_scale(b, args[i], c.layouts[i], r, B)
+    elif c.kind == "sum":
+        args[0] = row_scale(b, args[0], c.layouts[0], r, B)
+    elif c.kind == "index_put":
+        vi = 3 if node.target is aten._unsafe_masked_index_put_accumulate.default else 2
+        args[vi] = row_scale(b, args[vi], c.layouts["values"], r, B)
+    elif c.kind == "embedding_backward":
+        args[0] = row_scale(b, args[0], c.layouts["values"], r, B)
+    else:
+        raise AssertionError(c.kind)
+    return b.call(node.target, *args, **node.kwargs)
+
+
+def _deferred_bytes(c: Contribution) -> int:
+    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "sum", "embedding_backward") else c.extra["values"]
+    v = op.meta["val"]
+    try:
+        return int(v.numel()) * v.element_size()
+    except TypeError:
+        return 1 << 62
+
+
+def choose_deferred(ctx: DPPassContext) -> set[Contribution]:
+    contribs = [c for pg in ctx.decompositions.values() for c, _ in pg.terms]
+    sched = ctx.config.schedule
+    if sched == "bk":
+        return set(contribs)
+    if sched == "ghost":
+        return set()
+    order = {n: i for i, n in enumerate(ctx.backward_nodes)}
+    # the backward runs from the loss towards the inputs: late contributions
+    # hold their deferred operand for the shortest time, so defer those first
+    budget = ctx.config.memory_budget
+    chosen, used = set(), 0
+    for c in sorted(contribs, key=lambda c: -order.get(c.node, 0)):
+        nbytes = _deferred_bytes(c)
+        if used + nbytes <= budget:
+            chosen.add(c)
+            used += nbytes
+    return chosen
+
+
+def _replace_output(out: fx.Node, index: int, new: fx.Node) -> None:
+    outs = list(out.args[0])
+    outs[index] = new
+    out.args = (tuple(outs),) + tuple(out.args[1:])
+
+
+def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    """Rewrites the parameter gradients into clipped sums under the chosen schedule."""
+    graph = gm.graph
+    out = graph.find_nodes(op="output")[0]
+    r = ctx.scale_rows
+    if r is None:
+        return gm
+    b = GraphBuilder(graph)
+    B = ctx.batch_size
+    sched_report = ctx.summary.setdefault("schedule", {"requested": ctx.config.schedule})
+
+    if ctx.whole_gradient_mode:
+        with graph.inserting_before(out):
+            rs = b.call(aten.squeeze.dim, r, 0)
+            for pg in ctx.decompositions.values():
+                g = pg.grad_node
+                rr = rs if g.meta["val"].dtype == torch.float32 else b.call(
+                    torch.ops.prims.convert_element_type.default, rs, g.meta["val"].dtype)
+                _replace_output(out, pg.param.grad_output_index, b.call(aten.mul.Tensor, g, rr))
+                ctx.counters["whole_gradient_scaled"] += 1
+        sched_report["used"] = "single sample: gradient scaled by its clip coefficient"
+        return gm
+
+    deferred = choose_deferred(ctx)
+    all_contribs = [c for pg in ctx.decompositions.values() for c, _ in pg.terms]
+    recompute = [c for c in all_contribs if c not in deferred]
+
+    # bk: rebuild deferred contributions after r, row-scaled
+    with graph.inserting_before(out):
+        for c in all_contribs:
+            if c not in deferred:
+                continue
+            b.meta_source = c.node
+            new = scaled_contribution(b, c, r, B)
+            c.node.replace_all_uses_with(new)
+            ctx.counters["bk_deferred_contractions"] += 1
+    # ghost: a second backward for the parameters with recomputed contributions
+    if recompute:
+        _second_backward(gm, ctx, b, out, r, B, {c.node for c in recompute})
+    sched_report["deferred"] = sorted(c.node.name for c in deferred)
+    sched_report["recomputed"] = sorted(c.node.name for c in recompute)
+    sched_report["used"] = "bk" if not recompute else ("ghost" if not deferred else "auto (bk + ghost)")
+    ctx.summary.setdefault("params", {})
+    for name, pg in ctx.decompositions.items():
+        ctx.summary["params"][name]["schedule"] = (
+            "deferred (bk)" if all(c in deferred for c, _ in pg.terms) else "second backward (ghost)"
+        )
+    return gm
+
+
+def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[fx.Node]) -> None:
+    """Copies the backward with the loss tangent scaled per sample.
+
+    The scaling goes where the tangent first meets per-sample data: at a node
+    whose output has a sample dim and which reads a tangent-derived value
+    without one. If all its tangent-derived inputs lack a sample dim, its
+    output slice i is linear in sample i's tangent and is scaled by r_i; if
+    some already carry (scaled) samples, the sample-free ones are scaled by r
+    broadcast along the output's sample dim (pointwise ops only).
+    """
+    graph = gm.graph
+    states = ctx.states
+    tdep = ctx.tangent_dependent
+    env: dict[fx.Node, fx.Node] = {}
+    needed = [pg for pg in ctx.decompositions.values() if any(c.node in recompute_nodes for c, _ in pg.terms)]
+
+    def arg_of(a):
+        return env.get(a, a)
+
+    def cannot(node, why):
+        return DPCompileError(
+            f"dp_fsdp (ghost schedule): cannot place the per-sample tangent scaling at op {op_name(node)} in "
+            f"module {module_of(node)} ({why}); use schedule='bk'."
+        )
+
+    with graph.inserting_before(out):
+        for node in ctx.backward_nodes:
+            if node.op != "call_function":
+                continue
+            b.meta_source = node
+            st = states.get(node)
+            free_t = [a for a in node.all_input_nodes if a in tdep and states.get(a) is FREE]
+            if not free_t or st is FREE or node.target is operator.getitem:
+                new = graph.node_copy(node, arg_of)
+            elif node in ctx.contributions:
+                # a contraction whose tangent-side operand has no sample dim of its own
+                c = ctx.contributions[node]
+                new = scaled_contribution(b, c, r, B)
+                new.args = fx.node.map_arg(new.args, arg_of)
+                ctx.counters["ghost_tangent_scalings"] += 1
+            elif isinstance(st, Batched) and st.dim is not None:
+                batched_t = [a for a in node.all_input_nodes if a in tdep and isinstance(states.get(a), Batched)]
+                if not batched_t:
+                    new = row_scale(b, graph.node_copy(node, arg_of), st, r, B)
+                elif isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+                    ov = node.meta["val"]
+                    repl = {}
+                    for a in free_t:
+                        R = sample_scale(b, st, r, B, ov.dim(), st.dim, ov.shape[st.dim], a.meta["val"].dtype)
+                        repl[a] = b.call(aten.mul.Tensor, arg_of(a), R)
+                    new = graph.node_copy(node, lambda x: repl.get(x, arg_of(x)))
+                else:
+                    raise cannot(node, "it mixes sample-free and per-sample tangent values")
+                ctx.counters["ghost_tangent_scalings"] += 1
+            else:
+                raise cannot(node, f"its output state is {st}")
+            new.meta["dpcompile"] = True
+            env[node] = new
+        for pg in needed:
+            _replace_output(out, pg.param.grad_output_index, env[pg.grad_node])
+            ctx.counters["ghost_recomputed_params"] += 1

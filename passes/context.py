@@ -1,0 +1,50 @@
+"""State the dp passes share while rewriting one joint graph."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+
+from dpcompile.config import DPConfig
+
+
+@dataclasses.dataclass
+class ParamInfo:
+    """A trainable parameter as it appears in the joint graph."""
+
+    name: str  # module path, e.g. "blocks.0.attn.qkv.weight"
+    primal: fx.Node  # its placeholder
+    grad_output_index: int  # position of its gradient among the joint graph's outputs
+    noise_index: int  # which seed of the seeds input its noise uses
+
+
+@dataclasses.dataclass
+class DPPassContext:
+    config: DPConfig
+    params: list[ParamInfo]
+    data_inputs: dict[fx.Node, tuple[str, int | None]]  # placeholder -> (arg name, batch dim)
+    seeds_input_index: int | None  # primal index of the noise seeds input
+    num_fwd_outputs: int
+    compile_id: str = "0"
+    rank: int = 0
+    # filled by the passes -------------------------------------------------
+    batch_size: Any = None
+    states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    tangent_dependent: set[fx.Node] = dataclasses.field(default_factory=set)
+    loss: Any = None  # passes.loss_reduction.LossInfo
+    decompositions: dict[str, Any] = dataclasses.field(default_factory=dict)  # param name -> ParamGrad
+    scale_rows: fx.Node | None = None  # r = c * M * k, shape [B]
+    clip_coef: fx.Node | None = None
+    per_sample_norms: fx.Node | None = None
+    contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    analysis: Any = None
+    backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order
+    whole_gradient_mode: bool = False  # B == 1: the per-sample gradient is the gradient
+    counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def param_by_primal(self) -> dict[fx.Node, ParamInfo]:
+        return {p.primal: p for p in self.params}

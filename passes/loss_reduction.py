@@ -1,0 +1,109 @@
+"""Find the loss and how it reduces per-sample losses: mean or sum over the batch."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile.errors import DPCompileError
+from dpcompile.fx_utils import module_of, op_name, source_line
+
+from .batch_dims import FREE, Batched, Mixed, Reduced
+from .context import DPPassContext
+
+aten = torch.ops.aten
+
+PER_SAMPLE_LOSS_HELP = (
+    "Compute one loss per sample (shape [B]) and return its .mean() or .sum(): e.g. "
+    "per_token = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction='none').view(B, T); "
+    "per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1); loss = per_sample.mean()."
+)
+
+
+@dataclasses.dataclass
+class LossInfo:
+    node: fx.Node  # forward value of the loss
+    tangent: fx.Node  # its incoming gradient in the backward (1.0 for loss.backward())
+    reduction: str  # "mean" (k = 1/expected_batch_size, M = B) or "sum" (k = 1, M = 1)
+    M: Any  # graph contribution of sample i = tangent * g_i / M
+    k: float
+
+
+def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    """Identifies the loss output and whether it is a mean or a sum over samples."""
+    graph = gm.graph
+    out = graph.find_nodes(op="output")[0]
+    fwd_outs = list(out.args[0][: ctx.num_fwd_outputs])
+    used_tangents = [
+        n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents") and len(n.users) > 0
+    ]
+    if len(used_tangents) != 1:
+        names = ", ".join(n.name for n in used_tangents)
+        raise DPCompileError(
+            f"dp_fsdp expects the compiled step to backpropagate from exactly one scalar loss, but the backward "
+            f"graph uses {len(used_tangents)} incoming gradients ({names}). Return other tensors from the step "
+            f"with .detach() (e.g. `return loss.detach()`), so only the loss carries gradients."
+        )
+    tangent = used_tangents[0]
+    desc = tangent.meta.get("desc")
+    idx = getattr(getattr(desc, "output", None), "idx", None)
+    if idx is None:
+        # fall back on position: tangents follow the order of the outputs that need them
+        idx = [i for i, o in enumerate(fwd_outs) if isinstance(o, fx.Node) and o.meta["val"].requires_grad][0]
+    loss = fwd_outs[idx]
+    st = ctx.states.get(loss, FREE)
+    if isinstance(st, Mixed):
+        o = st.origin
+        raise DPCompileError(
+            f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(o)} in module "
+            f"{module_of(o)} computes {st.why} (for example a token mean over the whole batch with "
+            f"ignore_index divides by a count taken across samples)."
+            + (f"\n  at: {source_line(o)}" if source_line(o) else "")
+            + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
+        )
+    if st is FREE:
+        raise DPCompileError("dp_fsdp: the loss does not depend on the batch inputs; nothing to privatise.")
+    if loss.meta["val"].numel() != 1:
+        raise DPCompileError(
+            f"dp_fsdp: the loss must be a scalar, got shape {tuple(loss.meta['val'].shape)}. " + PER_SAMPLE_LOSS_HELP
+        )
+    kinds = set()
+    if isinstance(st, Batched):  # B == 1 without an explicit reduction (e.g. per_sample.squeeze())
+        kinds.add("sum")
+    seen = set()
+    stack = [loss]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        s = ctx.states.get(n)
+        if isinstance(s, Reduced) and s.origin is n:
+            packet = getattr(n.target, "overloadpacket", None)
+            kinds.add("mean" if packet is aten.mean else "sum")
+            continue
+        for a in n.all_input_nodes:
+            if isinstance(ctx.states.get(a), (Reduced, Batched)) and a not in seen:
+                if isinstance(ctx.states.get(a), Reduced) or isinstance(s, Batched):
+                    stack.append(a)
+    if len(kinds) != 1:
+        raise DPCompileError(
+            f"dp_fsdp: the loss combines a mean and a sum over the batch ({sorted(kinds)}); use one of them. "
+            + PER_SAMPLE_LOSS_HELP
+        )
+    kind = kinds.pop()
+    if kind == "mean":
+        if ctx.config.expected_batch_size is None:
+            raise ValueError(
+                "dp_fsdp: the loss is a mean over the batch, so the option expected_batch_size is needed "
+                "(the DP gradient divides the noisy clipped sum by it, not by the sampled batch size)"
+            )
+        M, k = ctx.batch_size, 1.0 / ctx.config.expected_batch_size
+    else:
+        M, k = 1, 1.0
+    ctx.loss = LossInfo(loss, tangent, kind, M, k)
+    ctx.summary["loss"] = {"reduction": kind, "k": k, "batch_size": str(ctx.batch_size)}
+    ctx.counters[f"loss_{kind}"] += 1
+    return gm

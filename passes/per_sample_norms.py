@@ -1,0 +1,295 @@
+"""Per-sample squared gradient norms, clip coefficients and row scales.
+
+For every contribution the per-sample squared norm is built from its operands
+in fp32, right after the contribution in graph order (so the operands can die
+early). Contractions ``A [p, N] @ G [N, m]`` with S rows per sample use the
+rank-one form (S == 1), the ghost form <A A^T, G G^T> (cost ~ S^2 (p+m)) or
+the direct form ||A_i G_i||^2 (cost ~ S p m), picked per layer from the static
+shapes. Reductions materialise the per-sample [B, numel] gradient; embedding
+backwards use token equality. A gradient made of several contributions (tied
+weights) or reached through a reshaping chain is materialised per sample and
+its chain replayed with a leading sample dim, so its norm is exact.
+
+Then c_i = min(1, C / (||g_i|| + eps)) and the row scale r_i = c_i * M * k
+(M, k from the loss reduction) are computed once all norms exist.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile.fx_utils import GraphBuilder, known
+
+from .batch_dims import Batched, Contribution
+from .context import DPPassContext
+from .param_grads import NORM_PRESERVING, ParamGrad
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[int], B: Any) -> fx.Node:
+    """x with samples on ``lay`` -> [B, S, F]: S = the sample's rows, F = features."""
+    shape = list(x.meta["val"].shape)
+    d = lay.dim
+    split = shape[:d] + [lay.outer, B, lay.inner] + shape[d + 1 :]
+    xs = b.view(x, split) if split != shape else x
+    if split == shape:
+        raise AssertionError("split must add two axes")
+    newpos = lambda k: k if k < d else k + 2  # noqa: E731
+    feats = [newpos(f) for f in feature_dims]
+    rows = [k for k in range(len(split)) if k != d + 1 and k not in feats]
+    xs = b.permute(xs, [d + 1] + rows + feats)
+    S = 1
+    for k in rows:
+        S = S * split[k]
+    F = 1
+    for k in feats:
+        F = F * split[k]
+    return b.reshape(xs, [B, S, F])
+
+
+def _transpose12(b, x):
+    return b.permute(x, [0, 2, 1])
+
+
+class NormBuilder:
+    def __init__(self, b: GraphBuilder, ctx: DPPassContext):
+        self.b = b
+        self.ctx = ctx
+        self.B = ctx.batch_size
+
+    # -- mm: A [p, N] @ G [N, m] with samples on N ------------------------------
+    def mm_factors(self, c: Contribution):
+        a, g = c.node.args[0], c.node.args[1]
+        A = self.b.f32(sample_major(self.b, a, c.layouts[0], [0], self.B))  # [B, S, p]
+        G = self.b.f32(sample_major(self.b, g, c.layouts[1], [1], self.B))  # [B, S, m]
+        return A, G
+
+    def mm_algorithm(self, c: Contribution) -> tuple[str, str]:
+        p, N = c.node.args[0].meta["val"].shape
+        m = c.node.args[1].meta["val"].shape[1]
+        lay = c.layouts[0]
+        S = lay.outer * lay.inner
+        if known(S == 1):
+            return "rank_one", "one row per sample: ||a||^2 ||g||^2"
+        choice = self.ctx.config.linear_norm
+        ghost = S * S * (p + m)
+        direct = S * p * m
+        try:
+            ghost_i, direct_i = int(ghost), int(direct)
+        except TypeError:
+            ghost_i = direct_i = None
+        if choice == "auto":
+            if ghost_i is None:
+                return "direct", "symbolic shapes: direct form"
+            choice = "ghost" if ghost_i < direct_i else "direct"
+            why = f"S={S}, p={p}, m={m}: ghost ~S^2(p+m)={ghost_i:.3g} vs direct ~Spm={direct_i:.3g} per sample"
+        else:
+            why = f"forced by linear_norm={choice!r}"
+        return choice, why
+
+    def mm_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
+        b = self.b
+        algo, why = self.mm_algorithm(c)
+        A, G = self.mm_factors(c)
+        if algo == "rank_one":
+            sa = b.sq_sum_per_sample(A)
+            sg = b.sq_sum_per_sample(G)
+            return b.call(aten.mul.Tensor, sa, sg), algo, why
+        if algo == "ghost":
+            Ga = b.call(aten.bmm.default, A, _transpose12(b, A))
+            Gg = b.call(aten.bmm.default, G, _transpose12(b, G))
+            return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, Ga, Gg), [1, 2]), algo, why
+        W = b.call(aten.bmm.default, _transpose12(b, A), G)  # [B, p, m]
+        return b.sq_sum_per_sample(W), algo, why
+
+    def mm_materialize(self, c: Contribution) -> fx.Node:
+        A, G = self.mm_factors(c)
+        return self.b.call(aten.bmm.default, _transpose12(self.b, A), G)  # [B, p, m]
+
+    # -- sum over the sample dim ----------------------------------------------
+    def sum_materialize(self, c: Contribution) -> fx.Node:
+        b = self.b
+        node = c.node
+        x = node.args[0]
+        lay = c.layouts[0]
+        shape = list(x.meta["val"].shape)
+        n = len(shape)
+        if node.target is aten.sum.default:
+            dims = list(range(n))
+        else:
+            dims = node.args[1] if len(node.args) > 1 and node.args[1] else list(range(n))
+            dims = [k % n for k in dims]
+        d = lay.dim
+        split = shape[:d] + [lay.outer, self.B, lay.inner] + shape[d + 1 :]
+        xs = b.view(b.f32(x), split)
+        newpos = lambda k: k if k < d else k + 2  # noqa: E731
+        red = sorted({newpos(k) for k in dims if k != d} | {d, d + 2})
+        s = b.call(aten.sum.dim_IntList, xs, red, True)
+        s = b.permute(s, [d + 1] + [k for k in range(len(split)) if k != d + 1])
+        out_shape = list(node.meta["val"].shape)
+        return b.reshape(s, [self.B] + out_shape)
+
+    # -- embedding backward: rows scattered by token id -------------------------
+    def _emb_parts(self, c: Contribution):
+        b = self.b
+        idx, values = c.extra["indices"], c.extra["values"]
+        lay = c.layouts["values"]
+        nidx = idx.meta["val"].dim()
+        nval = values.meta["val"].dim()
+        v = values
+        mask = c.extra.get("mask")
+        if mask is not None:
+            v = b.call(aten.where.self, mask, v, b.call(aten.scalar_tensor.default, 0.0, dtype=v.meta["val"].dtype))
+        pad = c.extra.get("padding_idx")
+        if pad is not None and pad >= 0:
+            keep = b.call(aten.unsqueeze.default, b.call(aten.ne.Scalar, idx, pad), -1)
+            v = b.call(aten.where.self, keep, v, b.call(aten.scalar_tensor.default, 0.0, dtype=v.meta["val"].dtype))
+        V = b.f32(sample_major(b, v, lay, list(range(nidx, nval)), self.B))  # [B, S, D]
+        I = sample_major(b, idx, lay, [], self.B)  # [B, S, 1]
+        return V, I
+
+    def emb_sq(self, c: Contribution) -> fx.Node:
+        b = self.b
+        V, I = self._emb_parts(c)
+        Gv = b.call(aten.bmm.default, V, _transpose12(b, V))  # [B, S, S]
+        eq = b.call(aten.eq.Tensor, I, _transpose12(b, I))  # [B, S, S]
+        zero = b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32)
+        return b.call(aten.sum.dim_IntList, b.call(aten.where.self, eq, Gv, zero), [1, 2])
+
+    def emb_materialize(self, c: Contribution) -> fx.Node:
+        b = self.b
+        V, I = self._emb_parts(c)
+        num, D = c.node.meta["val"].shape
+        I = b.call(aten.squeeze.dim, I, -1)
+        I = b.call(aten.clamp.default, I, 0, num - 1)  # masked rows carry zeros; keep their ids in range
+        S = I.meta["val"].shape[1]
+        bidx = b.call(aten.expand.default, b.view(b.call(prims.iota.default, self.B, start=0, step=1,
+                                                          dtype=torch.int64, device=I.meta["val"].device,
+                                                          requires_grad=False), [self.B, 1]), [self.B, S])
+        zeros = b.call(aten.zeros.default, [self.B, num, D], dtype=torch.float32, device=V.meta["val"].device)
+        return b.call(aten.index_put.default, zeros, [bidx, I], V, True)
+
+    # -- dispatch ---------------------------------------------------------------
+    def sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
+        if c.kind == "mm":
+            return self.mm_sq(c)
+        if c.kind == "sum":
+            return self.b.sq_sum_per_sample(self.sum_materialize(c)), "materialize", "reduction: per-sample sum"
+        if c.kind in ("index_put", "embedding_backward"):
+            return self.emb_sq(c), "embedding_ghost", "token equality: sum_{s,t}[id_s = id_t]<g_s, g_t>"
+        raise AssertionError(c.kind)
+
+    def materialize(self, c: Contribution) -> fx.Node:
+        if c.kind == "mm":
+            return self.mm_materialize(c)
+        if c.kind == "sum":
+            return self.sum_materialize(c)
+        return self.emb_materialize(c)
+
+
+def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo: dict) -> fx.Node:
+    """The per-sample version [B, *shape] of a node on the chain contribution -> gradient."""
+    if node in memo:
+        return memo[node]
+    cmap = {c.node: c for c, _ in pg.terms}
+    t = node.target
+    if node in cmap:
+        r = nb.materialize(cmap[node])
+    elif t in NORM_PRESERVING:
+        x = _replay(b, nb, node.args[0], pg, memo)
+        if t in (aten.permute.default,):
+            r = b.permute(x, [0] + [k % (x.meta["val"].dim() - 1) + 1 for k in node.args[1]])
+        elif t in (aten.transpose.int, aten.t.default):
+            n = x.meta["val"].dim() - 1
+            d0, d1 = (0, 1) if t is aten.t.default else (node.args[1] % n, node.args[2] % n)
+            perm = list(range(n + 1))
+            perm[d0 + 1], perm[d1 + 1] = perm[d1 + 1], perm[d0 + 1]
+            r = b.permute(x, perm)
+        else:  # every other norm-preserving op is a reshape of the same entries, or a cast
+            r = b.reshape(x, [nb.B] + list(node.meta["val"].shape))
+    elif t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+        a, s = (node.args[0], node.args[1]) if isinstance(node.args[0], fx.Node) else (node.args[1], node.args[0])
+        x = _replay(b, nb, a, pg, memo)
+        r = b.call(t if t in (aten.div.Tensor, aten.div.Scalar) else aten.mul.Tensor, x, s)
+    elif t is aten.neg.default:
+        r = b.call(aten.neg.default, _replay(b, nb, node.args[0], pg, memo))
+    elif t in (aten.add.Tensor, aten.sub.Tensor):
+        x = _replay(b, nb, node.args[0], pg, memo)
+        y = _replay(b, nb, node.args[1], pg, memo)
+        r = b.call(t, x, y, **node.kwargs)
+    else:
+        raise AssertionError(f"unexpected chain op {t}")
+    memo[node] = r
+    return r
+
+
+def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    """Adds the [B] vector of per-sample squared norms, c and r = c * M * k."""
+    graph = gm.graph
+    b = GraphBuilder(graph)
+    nb = NormBuilder(b, ctx)
+    out = graph.find_nodes(op="output")[0]
+    per_param: list[fx.Node] = []
+    report = ctx.summary.setdefault("params", {})
+    for name, pg in ctx.decompositions.items():
+        entry = report.setdefault(name, {"shape": list(pg.param.primal.meta["val"].shape)})
+        if ctx.whole_gradient_mode:
+            with graph.inserting_after(pg.grad_node):
+                b.meta_source = pg.grad_node
+                sq = b.sq_sum_per_sample(b.view(pg.grad_node, [1, -1]))
+            entry["decomposition"] = "batch of one sample: the per-sample gradient is the gradient"
+            entry["norm"] = "materialize (whole gradient)"
+            ctx.counters["norm_whole_gradient"] += 1
+            per_param.append(sq)
+            continue
+        if pg.norm_preserving:
+            c, alpha = pg.terms[0]
+            anchor = c.node
+            with graph.inserting_after(anchor):
+                b.meta_source = anchor
+                sq, algo, why = nb.sq(c)
+                if alpha != 1.0:
+                    sq = b.call(aten.mul.Tensor, sq, alpha * alpha)
+            entry["decomposition"] = f"{c.kind} over sample rows ({c.node.name})"
+            entry["norm"] = algo
+            entry["why"] = why
+            ctx.counters[f"norm_{c.kind}_{algo}"] += 1
+        else:
+            anchor = pg.grad_node
+            with graph.inserting_after(anchor):
+                b.meta_source = anchor
+                full = _replay(b, nb, pg.grad_node, pg, {})
+                sq = b.sq_sum_per_sample(full)
+            kinds = "+".join(c.kind for c, _ in pg.terms)
+            entry["decomposition"] = f"{len(pg.terms)} contributions ({kinds}) through a reshaping chain"
+            entry["norm"] = "materialize"
+            entry["why"] = "shared or reshaped gradient: norm of the per-sample sum, computed exactly"
+            ctx.counters["norm_materialized_chain"] += 1
+        per_param.append(sq)
+    if not per_param:
+        return gm
+    with graph.inserting_before(out):
+        b.meta_source = None
+        total = per_param[0]
+        for sq in per_param[1:]:
+            total = b.call(aten.add.Tensor, total, sq)
+        loss = ctx.loss
+        t = b.f32(loss.tangent)
+        at = b.call(aten.abs.default, t)
+        # ||g_i|| = M * ||graph contribution_i|| / |t|; t = 0 means no gradient at all.
+        inv = b.call(aten.where.self, b.call(aten.gt.Scalar, at, 0.0),
+                     b.call(aten.reciprocal.default, at), b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32))
+        norms = b.call(aten.mul.Tensor, b.call(aten.mul.Tensor, b.call(aten.sqrt.default, total), inv), loss.M)
+        denom = b.call(aten.add.Tensor, norms, ctx.config.norm_eps)
+        coef = b.call(aten.clamp_max.default,
+                      b.call(aten.mul.Tensor, b.call(aten.reciprocal.default, denom), ctx.config.max_grad_norm), 1.0)
+        r = b.call(aten.mul.Tensor, coef, loss.M * loss.k)
+    ctx.per_sample_norms = norms
+    ctx.clip_coef = coef
+    ctx.scale_rows = r
+    ctx.counters["clip_coefficients"] += 1
+    return gm

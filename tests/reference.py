@@ -1,0 +1,60 @@
+"""The test oracle: per-sample gradients by torch.func.vmap(grad(...)), clipped and summed in float64."""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch.func import functional_call, grad, vmap
+
+
+def dp_reference(
+    model: torch.nn.Module,
+    per_sample_loss: Callable,  # (model_output, *targets) -> [B] per-sample losses
+    inputs: tuple,
+    targets: tuple,
+    *,
+    max_grad_norm: float,
+    reduction: str = "mean",
+    expected_batch_size: int | None = None,
+    eps: float = 1e-6,
+    forward: Callable | None = None,  # (model, *inputs) -> output; default model(*inputs)
+):
+    """Returns (clipped gradient dict in float64, per-sample norms [B])."""
+    ref = copy.deepcopy(model).double()
+    params = {k: v.detach() for k, v in ref.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach() for k, v in ref.named_parameters() if not v.requires_grad}
+    buffers = {k: v.detach() for k, v in ref.named_buffers()}
+    fwd = forward or (lambda m, *xs: m(*xs))
+
+    def to64(t):
+        return t.double() if t.is_floating_point() else t
+
+    inputs = tuple(to64(t) for t in inputs)
+    targets = tuple(to64(t) for t in targets)
+
+    class _Call(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *xs):
+            return fwd(self.m, *xs)
+
+    wrapper = _Call(ref)
+
+    def loss_i(p, xs, ts):
+        xs = tuple(x.unsqueeze(0) for x in xs)
+        ts = tuple(t.unsqueeze(0) for t in ts)
+        full = {**{"m." + k: v for k, v in p.items()}, **{"m." + k: v for k, v in frozen.items()},
+                **{"m." + k: v for k, v in buffers.items()}}
+        out = functional_call(wrapper, full, xs)
+        return per_sample_loss(out, *ts).sum()
+
+    g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
+    B = inputs[0].shape[0]
+    norms = torch.sqrt(sum(v.reshape(B, -1).pow(2).sum(1) for v in g.values()))
+    c = (max_grad_norm / (norms + eps)).clamp(max=1.0)
+    k = 1.0 / expected_batch_size if reduction == "mean" else 1.0
+    clipped = {n: torch.einsum("b,b...->...", c, v) * k for n, v in g.items()}
+    return clipped, norms

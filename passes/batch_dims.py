@@ -226,6 +226,15 @@ class BatchDimAnalysis:
     def _reduced_rule(self, node: fx.Node, r: Reduced):
         """Linear maps of a sum over samples stay a sum over samples."""
         t = node.target
+        if getattr(t, "overloadpacket", None) in _SCATTER_PACKETS:
+            # scatter-add of a sum over samples at sample-free positions: linear
+            vals = node.args[3] if t is aten._unsafe_masked_index_put_accumulate.default else node.args[2]
+            others = [a for a in node.all_input_nodes if a is not vals]
+            acc = True if t is aten._unsafe_masked_index_put_accumulate.default else (
+                node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+            if acc and isinstance(self.states.get(vals), Reduced) and all(self.states.get(a) is FREE for a in others):
+                return Reduced(r.origin)
+            return Mixed(node, "a scatter involving a sum over the samples")
         if t in _LINEAR_ON_REDUCED or getattr(t, "overloadpacket", None) in _VIEWLIKE_PACKETS:
             if t in (aten.mul.Tensor, aten.div.Tensor):
                 # linear only if the other factor does not depend on the samples
@@ -276,14 +285,15 @@ def view_layout(in_shape, out_shape, lay: Batched, B) -> Batched | None:
     if lay.dim is None:
         return SINGLE
     G = lay.inner * _prod(in_shape[lay.dim + 1 :])
-    P = 1
-    for e in reversed(range(len(out_shape))):
+    # outermost first: with B == 1 several dims qualify and the outermost is
+    # the natural sample dim; with B > 1 at most one does
+    for e in range(len(out_shape)):
+        P = _prod(out_shape[e + 1 :])
         if known(G % P == 0):
             i2 = G // P
             size = out_shape[e]
             if known(size % (i2 * B) == 0) and not known(size == 0):
                 return Batched(e, size // (i2 * B), i2)
-        P = P * out_shape[e]
     return None
 
 
@@ -486,6 +496,29 @@ def _tril(an, node):
     if s.dim is not None and s.dim >= _ndim(x) - 2:
         return _fail_layout(an, node, "masks a matrix whose rows or columns are samples")
     return s
+
+
+def _slice_scatter(an, node):
+    """slice_scatter/select_scatter(base, src, dim, ...): the backward of slicing."""
+    base, src = node.args[0], node.args[1]
+    sb, ss = an.st(base), an.st(src)
+    n = _ndim(base)
+    k = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    found = None
+    for s, nd_shift in ((sb, 0), (ss, 1 if node.target is aten.select_scatter.default else 0)):
+        if isinstance(s, Batched) and s.dim is not None:
+            d = s.dim
+            if node.target is aten.select_scatter.default and s is ss and d >= k:
+                d += 1  # src lacks the selected dim
+            cand = s.moved(d)
+            if found is not None and found != cand:
+                return _fail_layout(an, node, "scatters between tensors with different sample dims")
+            found = cand
+    if found is None:
+        return SINGLE
+    if found.dim == k:
+        return _fail_layout(an, node, "scatters along the sample dim")
+    return found
 
 
 def _fresh(an, node):
@@ -784,6 +817,7 @@ def _reduction_with_hook(an, node):
     return _sum_contribution_hook(an, node, _reduction(an, node))
 
 
+_SCATTER_PACKETS = {aten.index_put, aten._unsafe_index_put, aten._unsafe_masked_index_put_accumulate}
 _VIEWLIKE_PACKETS = {
     aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t,
     aten.unsqueeze, aten.squeeze, aten.clone, aten.alias, aten._to_copy, aten.detach,
@@ -791,7 +825,7 @@ _VIEWLIKE_PACKETS = {
 _LINEAR_ON_REDUCED = {
     aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Tensor, aten.mul.Scalar,
     aten.div.Tensor, aten.div.Scalar, prims.convert_element_type.default, aten.clone.default,
-    aten.sum.dim_IntList, aten.sum.default, aten.expand.default,
+    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.expand.default,
 }
 
 _RULES: dict[Any, Any] = {}
@@ -812,6 +846,8 @@ for p in (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk):
 _RULES[aten.cat] = _cat
 _RULES[aten.stack] = _stack
 _RULES[aten.constant_pad_nd] = _pad
+_RULES[aten.slice_scatter] = _slice_scatter
+_RULES[aten.select_scatter] = _slice_scatter
 _RULES[aten.tril] = _tril
 _RULES[aten.triu] = _tril
 for p in (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like, aten.randint_like):

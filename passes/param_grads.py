@@ -33,6 +33,9 @@ NORM_PRESERVING = {
 }
 
 
+SCATTER_ADD = {aten.index_put.default, aten._unsafe_index_put.default, aten._unsafe_masked_index_put_accumulate.default}
+
+
 @dataclasses.dataclass
 class ParamGrad:
     param: ParamInfo
@@ -90,6 +93,12 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         ta, _ = decompose(a, ctx, param, alpha)
         tb, _ = decompose(b, ctx, param, alpha * beta * (-1 if t is aten.sub.Tensor else 1))
         return ta + tb, False
+    if t in SCATTER_ADD:
+        # a sum over samples scattered to sample-free positions (a position
+        # embedding's backward): linear, replayed per sample for the norm
+        vals = node.args[3] if t is aten._unsafe_masked_index_put_accumulate.default else node.args[2]
+        terms, _ = decompose(vals, ctx, param, alpha)
+        return terms, False
     raise refuse("this op is applied to the gradient after the sum over samples")
 
 
@@ -113,7 +122,7 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
     # every contribution must end in a parameter gradient: one that feeds
     # anything else (an input gradient, say) cannot be scaled per sample safely
     used = {id(c) for pg in ctx.decompositions.values() for c, _ in pg.terms}
-    for n, c in ctx.contributions.items():
+    for n, c in ([] if ctx.whole_gradient_mode else ctx.contributions.items()):
         if id(c) not in used:
             raise DPCompileError(
                 f"dp_fsdp: op {op_name(n)} in module {module_of(n)} sums per-sample gradients over the batch "

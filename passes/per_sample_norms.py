@@ -24,7 +24,7 @@ from dpcompile.fx_utils import GraphBuilder, known
 
 from .batch_dims import Batched, Contribution
 from .context import DPPassContext
-from .param_grads import NORM_PRESERVING, ParamGrad
+from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -165,12 +165,12 @@ class NormBuilder:
         V, I = self._emb_parts(c)
         num, D = c.node.meta["val"].shape
         I = b.call(aten.squeeze.dim, I, -1)
-        I = b.call(aten.clamp.default, I, 0, num - 1)  # masked rows carry zeros; keep their ids in range
+        I = b.call(aten.clamp_max.default, b.call(aten.clamp_min.default, I, 0), num - 1)  # masked rows carry zeros; keep their ids in range
         S = I.meta["val"].shape[1]
         bidx = b.call(aten.expand.default, b.view(b.call(prims.iota.default, self.B, start=0, step=1,
                                                           dtype=torch.int64, device=I.meta["val"].device,
                                                           requires_grad=False), [self.B, 1]), [self.B, S])
-        zeros = b.call(aten.zeros.default, [self.B, num, D], dtype=torch.float32, device=V.meta["val"].device)
+        zeros = b.call(aten.full.default, [self.B, num, D], 0.0, dtype=torch.float32, device=V.meta["val"].device)
         return b.call(aten.index_put.default, zeros, [bidx, I], V, True)
 
     # -- dispatch ---------------------------------------------------------------
@@ -221,6 +221,28 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         x = _replay(b, nb, node.args[0], pg, memo)
         y = _replay(b, nb, node.args[1], pg, memo)
         r = b.call(t, x, y, **node.kwargs)
+    elif t in SCATTER_ADD:
+        masked = t is aten._unsafe_masked_index_put_accumulate.default
+        base, indices = node.args[0], node.args[2] if masked else node.args[1]
+        vals = node.args[3] if masked else node.args[2]
+        x = _replay(b, nb, vals, pg, memo)  # [B, *vals]
+        if masked:
+            zero = b.call(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype)
+            x = b.call(aten.where.self, node.args[1], x, zero)
+        ni = max(i.meta["val"].dim() for i in indices)
+        bidx = b.view(b.call(prims.iota.default, nb.B, start=0, step=1, dtype=torch.int64,
+                             device=x.meta["val"].device, requires_grad=False), [nb.B] + [1] * ni)
+        idx = []
+        for i in indices:
+            if i is None:
+                raise AssertionError("scatter with a None index")
+            iv = i
+            if masked:  # masked-out rows are zero; keep their ids in range
+                iv = b.call(aten.clamp_max.default, b.call(aten.clamp_min.default, i, 0), base.meta["val"].shape[len(idx)] - 1)
+            idx.append(iv)
+        zeros = b.call(aten.full.default, [nb.B] + list(base.meta["val"].shape), 0.0, dtype=x.meta["val"].dtype,
+                       device=x.meta["val"].device)
+        r = b.call(aten.index_put.default, zeros, [bidx] + idx, x, True)
     else:
         raise AssertionError(f"unexpected chain op {t}")
     memo[node] = r

@@ -1,0 +1,17 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Each test compiles its own step; without a reset, dynamo's per-code
+    # recompile limit would eventually run a step eagerly (without DP).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()

@@ -1,0 +1,44 @@
+"""Run one DP step through the backend and compare with the vmap oracle."""
+from __future__ import annotations
+
+import torch
+
+import dpcompile
+from reference import dp_reference
+
+
+def compile_step(model, per_sample_loss, *, reduction="mean", **options):
+    backend = dpcompile.DPBackend(**options)
+
+    def step(inputs, targets):
+        per_sample = per_sample_loss(model(*inputs), *targets)
+        loss = per_sample.mean() if reduction == "mean" else per_sample.sum()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend=backend)
+    return compiled, backend
+
+
+def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule, reduction="mean",
+                            rtol=1e-5, atol=1e-7, **extra):
+    """Picks C so that clipping is active (some samples above C, some below when B > 1)."""
+    B = inputs[0].shape[0]
+    _, norms = dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=1.0, reduction=reduction,
+                            expected_batch_size=B)
+    C = float(norms.median()) if B > 1 else float(norms[0]) * 0.5
+    if B > 1:
+        assert (norms > C).any() and (norms < C).any(), norms
+    ref, _ = dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=C, reduction=reduction,
+                          expected_batch_size=B + 1)
+    model.zero_grad(set_to_none=True)
+    step, backend = compile_step(model, per_sample_loss, reduction=reduction, max_grad_norm=C, noise_multiplier=0.0,
+                                 expected_batch_size=B + 1, schedule=schedule, **extra)
+    step(inputs, targets)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, f"frozen parameter {name} got a gradient"
+            continue
+        assert p.grad is not None, f"no gradient for {name}"
+        torch.testing.assert_close(p.grad.double(), ref[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    return backend

@@ -1,0 +1,195 @@
+"""Small models covering the layer kinds the backend must decompose per sample."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=5, hidden=7, d_out=3):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class SeqLinear(nn.Module):
+    """nn.Linear (bias) and F.linear (no bias) on inputs with extra dims: [B, T, d] or [B, H, T, d]."""
+
+    def __init__(self, d=6, p=4, n_out=3):
+        super().__init__()
+        self.fc = nn.Linear(d, p)
+        self.w = nn.Parameter(torch.randn(n_out, p) / math.sqrt(p))
+
+    def forward(self, x):
+        return F.linear(F.gelu(self.fc(x)), self.w)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's Conv1D: y = addmm(b, x, W) with W stored [in, out]."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) * 0.3)
+        self.bias = nn.Parameter(torch.randn(d_out) * 0.1)
+
+    def forward(self, x):
+        shape = x.shape[:-1] + (self.weight.shape[1],)
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(shape)
+
+
+class Conv1DNet(nn.Module):
+    def __init__(self, d=6, n_out=3):
+        super().__init__()
+        self.c1 = Conv1D(d, 8)
+        self.c2 = Conv1D(8, n_out)
+
+    def forward(self, x):
+        return self.c2(F.relu(self.c1(x)))
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class NormNet(nn.Module):
+    """LayerNorm, nn.RMSNorm and a hand-written RMSNorm between linears."""
+
+    def __init__(self, d=6, n_out=3):
+        super().__init__()
+        self.fc = nn.Linear(d, 8)
+        self.ln = nn.LayerNorm(8)
+        self.rms = nn.RMSNorm(8, eps=1e-6)
+        self.hrms = HandRMSNorm(8)
+        self.head = nn.Linear(8, n_out)
+        with torch.no_grad():
+            for m in (self.ln, self.rms):
+                m.weight.add_(0.1 * torch.randn_like(m.weight))
+            self.ln.bias.add_(0.1 * torch.randn_like(self.ln.bias))
+
+    def forward(self, x):
+        return self.head(self.hrms(self.rms(self.ln(self.fc(x)))))
+
+
+class EmbNet(nn.Module):
+    def __init__(self, vocab=11, d=6, n_out=3, padding_idx=None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=padding_idx)
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+class Block(nn.Module):
+    """Pre-LN GPT block: causal SDPA attention and a GELU MLP."""
+
+    def __init__(self, d, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=13, d=8, n_head=2, n_layer=2, max_t=8, tied=False):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(max_t, d)
+        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        pos = torch.arange(T, device=ids.device)
+        x = self.wte(ids) + self.wpe(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def rotary(x, base=10000.0):
+    """Rotary position embedding on [B, H, T, hd] (pairs of halves)."""
+    T, hd = x.shape[-2], x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d=8, n_head=2, hidden=12):
+        super().__init__()
+        self.n_head = n_head
+        self.attn_norm = nn.RMSNorm(d, eps=1e-6)
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=1e-6)
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w3 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (w(h).view(B, T, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = rotary(q), rotary(k)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        x = x + self.wo(a)
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class LlamaLM(nn.Module):
+    def __init__(self, vocab=13, d=8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.block = LlamaBlock(d)
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.block(self.tok(ids))))
+
+
+def seq_ce(logits, y):
+    """Per-sample loss of a sequence model: token cross-entropy averaged within each sample."""
+    B = y.shape[0]
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(B, -1).mean(1)
+
+
+def ce(logits, y):
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def mse(out, y):
+    return (out - y).pow(2).flatten(1).sum(1)

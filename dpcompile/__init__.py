@@ -37,7 +37,17 @@ def private_step(fn: Callable | None = None, **options: Any):
 
         @functools.wraps(f)
         def step(*args, **kwargs):
-            return compiled(*args, **kwargs)
+            before = backend.calls
+            # past dynamo's recompile limit the step would run eagerly: no DP
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                out = compiled(*args, **kwargs)
+            if torch.is_grad_enabled() and backend.calls == before:
+                raise DPCompileError(
+                    f"the step {getattr(f, '__name__', f)!r} ran without a dp_fsdp graph (did dynamo skip or "
+                    f"fall back on the frame?); its gradients would not be private. Run with "
+                    f"TORCH_LOGS=graph_breaks to see why."
+                )
+            return out
 
         step.dp_backend = backend  # type: ignore[attr-defined]
         return step

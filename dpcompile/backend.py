@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcompile.config import DPConfig
+from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
 from dpcompile.fx_utils import clean_module_path, known
 from dpcompile.noise import NoiseSeeds
@@ -203,6 +204,7 @@ class DPBackend:
         self.compiled: list[CompiledStep] = []
         self.noise = NoiseSeeds(config.seed)
         self._n_noise = 0
+        self.calls = 0  # DP graph executions, checked by private_step
         self._lock = threading.Lock()
 
     # noise stream state, for checkpoints
@@ -213,6 +215,26 @@ class DPBackend:
         self.noise.load_state_dict(state)
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
+        # Dynamo falls back to running the frame eagerly on some backend
+        # exceptions (fake-tensor ones); for us that would be a silently
+        # non-private step. Every failure becomes a DPCompileError instead.
+        try:
+            return self._compile(gm, example_inputs)
+        except (DPCompileError, DPValueError):
+            raise
+        except ValueError as e:
+            raise DPValueError(str(e)) from e
+        except Exception as e:
+            from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+            if isinstance(e, TensorifyScalarRestartAnalysis):
+                raise
+            raise DPCompileError(
+                f"dp_fsdp failed to compile the step ({type(e).__name__}: {e}). dpcompile refuses to fall back to "
+                f"eager execution, which would produce non-private gradients."
+            ) from e
+
+    def _compile(self, gm: fx.GraphModule, example_inputs) -> Callable:
         from torch._guards import CompileContext
         from torch._inductor.compile_fx import compile_fx
 
@@ -236,6 +258,7 @@ class DPBackend:
         n_seeds = len(inputs)
 
         def dp_step(*args):
+            self.calls += 1
             seeds = self.noise.next(n_seeds, device)
             return compiled(*args, seeds)
 

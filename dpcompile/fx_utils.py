@@ -54,7 +54,12 @@ def source_line(node: fx.Node) -> str:
     st = node.meta.get("stack_trace")
     if not st:
         return ""
-    lines = [l.strip() for l in st.strip().splitlines() if l.strip()]
+    lines = [l.strip() for l in st.strip().splitlines() if l.strip() and set(l.strip()) - set("^~ ")]
+    # the innermost frame: 'File "...", line N, in f' followed by its code line
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            return f"{lines[i]}: {code}" if code else lines[i]
     return lines[-1] if lines else ""
 
 

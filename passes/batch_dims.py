@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.errors import DPCompileError
+from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 
 from .context import DPPassContext
@@ -87,6 +87,18 @@ class Contribution:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
+def _mixing_advice(origin: fx.Node) -> str:
+    where = module_of(origin)
+    if "BatchNorm" in where:
+        return ("BatchNorm in training mode normalises with statistics of the whole batch; use GroupNorm or "
+                "LayerNorm, or put the module in eval mode.")
+    if "Embedding" in where:
+        return ("an Embedding with scale_grad_by_freq=True scales by token counts taken across the batch; "
+                "set scale_grad_by_freq=False.")
+    return ("per-sample gradients need every sample's computation to be independent of the others: remove "
+            "statistics taken over the batch (BatchNorm in training mode, x - x.mean(0), ...).")
+
+
 class BatchDimAnalysis:
     """Runs the propagation; ``states`` maps node -> state."""
 
@@ -120,20 +132,20 @@ class BatchDimAnalysis:
                 continue
             v = ph.meta["val"]
             if bd < -v.dim() or bd >= v.dim():
-                raise ValueError(
+                raise DPValueError(
                     f"batch_dim {bd} is out of range for data input '{name}' of shape {tuple(v.shape)}; "
                     f"set the batch_dim option (e.g. batch_dim={{'{name}': None}} for an input that is not per-sample)"
                 )
             sizes.append((name, v.shape[bd % v.dim()]))
         if not sizes:
-            raise ValueError(
+            raise DPValueError(
                 "dp_fsdp found no batched data input in the compiled step: the samples must arrive as tensor "
                 "arguments of the step function (dim 0 is the batch unless the batch_dim option says otherwise)"
             )
         self.B = sizes[0][1]
         for name, s in sizes[1:]:
             if not known(s == self.B):
-                raise ValueError(
+                raise DPValueError(
                     f"data inputs disagree on the batch size: '{sizes[0][0]}' has {sizes[0][1]} samples and "
                     f"'{name}' has {s} along their batch dims; if '{name}' is not per-sample, pass "
                     f"batch_dim={{'{name}': None}} (or the right dim) in the dp_fsdp options"
@@ -213,14 +225,25 @@ class BatchDimAnalysis:
 
     def _mixing_error(self, node: fx.Node, m: Mixed) -> DPCompileError:
         o = m.origin
+        ov = o.meta.get("val")
+        if isinstance(ov, torch.Tensor) and ov.numel() == 1:
+            # a scalar computed across samples feeding per-sample values: the
+            # typical case is a loss normalised by a count over the batch
+            from .loss_reduction import PER_SAMPLE_LOSS_HELP
+
+            return DPCompileError(
+                f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(o)} in module "
+                f"{module_of(o)} computes {m.why} (for example a token mean over the whole batch with "
+                f"ignore_index divides by a count taken across samples)."
+                + (f"\n  at: {source_line(o)}" if source_line(o) else "")
+                + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
+            )
         return DPCompileError(
             f"dp_fsdp cannot prove per-sample gradients: op {op_name(o)} in module {module_of(o)} "
             f"mixes samples ({m.why}), and its result is combined with per-sample data by "
             f"{op_name(node)} in module {module_of(node)}."
             + (f"\n  at: {source_line(o)}" if source_line(o) else "")
-            + "\n  What to do: per-sample gradients need every sample's computation to be independent of the "
-            "others. Replace batch statistics (BatchNorm in training mode) with GroupNorm/LayerNorm, or put the "
-            "module in eval mode."
+            + "\n  What to do: " + _mixing_advice(o)
         )
 
     def _reduced_rule(self, node: fx.Node, r: Reduced):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.fx.passes.tools_common import legalize_graph
+import heapq
 
 from .context import DPPassContext
 
@@ -17,7 +17,35 @@ def cleanup_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
 
 def finalize(gm: fx.GraphModule) -> fx.GraphModule:
     """A valid topological order (rebuilt nodes were appended late), lint, recompile."""
-    legalize_graph(gm)
+    stable_topological_sort(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorders nodes so every node follows its inputs, moving as little as possible.
+
+    Kahn's algorithm with the current position as priority: nodes already in
+    a valid order stay put; a node placed before one of its inputs (the
+    passes append rebuilt nodes at the end) moves down just past it.
+    """
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [pos[n] for n in nodes if indeg[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        n = nodes[heapq.heappop(ready)]
+        order.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, pos[u])
+    assert len(order) == len(nodes), "cycle in the rewritten joint graph"
+    prev = None
+    for n in order:
+        if prev is not None and prev.next is not n:
+            prev.append(n)
+        prev = n

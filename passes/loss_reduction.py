@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.errors import DPCompileError
+from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.fx_utils import module_of, op_name, source_line
 
 from .batch_dims import FREE, Batched, Mixed, Reduced
@@ -96,7 +96,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     kind = kinds.pop()
     if kind == "mean":
         if ctx.config.expected_batch_size is None:
-            raise ValueError(
+            raise DPValueError(
                 "dp_fsdp: the loss is a mean over the batch, so the option expected_batch_size is needed "
                 "(the DP gradient divides the noisy clipped sum by it, not by the sampled batch size)"
             )

@@ -79,8 +79,17 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         if t in (aten.mul.Tensor, aten.mul.Scalar) and _scalar(a) is not None:
             a, b = b, a
         s = _scalar(b)
+        if s is None and isinstance(a, fx.Node) and isinstance(b, fx.Node):
+            if ctx.states.get(a) is FREE and t in (aten.mul.Tensor,):
+                a, b = b, a
+            if (ctx.states.get(b) is FREE and b not in ctx.tangent_dependent
+                    and tuple(node.meta["val"].shape) == tuple(a.meta["val"].shape)):
+                # elementwise by a sample-free factor (e.g. BatchNorm's running
+                # invstd in eval mode): linear per sample, replayed for the norm
+                terms, _ = decompose(a, ctx, param, alpha)
+                return terms, False
         if s is None or not isinstance(a, fx.Node):
-            raise refuse("the gradient is multiplied by a tensor after the sum over samples")
+            raise refuse("the gradient is multiplied by a per-sample or broadcasting tensor after the sum over samples")
         factor = s if t in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / s
         return decompose(a, ctx, param, alpha * factor)
     if t is aten.neg.default:

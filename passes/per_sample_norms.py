@@ -212,7 +212,10 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         else:  # every other norm-preserving op is a reshape of the same entries, or a cast
             r = b.reshape(x, [nb.B] + list(node.meta["val"].shape))
     elif t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
-        a, s = (node.args[0], node.args[1]) if isinstance(node.args[0], fx.Node) else (node.args[1], node.args[0])
+        a, s = node.args[0], node.args[1]
+        on_chain = lambda n: isinstance(n, fx.Node) and n in nb.ctx.tangent_dependent  # noqa: E731
+        if not on_chain(a):
+            a, s = s, a
         x = _replay(b, nb, a, pg, memo)
         r = b.call(t if t in (aten.div.Tensor, aten.div.Scalar) else aten.mul.Tensor, x, s)
     elif t is aten.neg.default:

@@ -1,0 +1,184 @@
+"""What the backend cannot prove per-sample is refused, naming op, module and parameter."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpcompile
+import models as M
+from dpcompile import DPCompileError
+
+
+def run(model, loss_of, inputs, **options):
+    opts = dict(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    opts.update(options)
+    backend = dpcompile.DPBackend(**opts)
+
+    def step(*xs):
+        loss = loss_of(model, *xs)
+        loss.backward()
+        return loss.detach()
+
+    return torch.compile(step, backend=backend)(*inputs)
+
+
+def expect_refusal(fn, *fragments, exc=DPCompileError):
+    with pytest.raises(Exception) as info:
+        fn()
+    err = info.value
+    while not isinstance(err, exc) and err.__cause__ is not None:
+        err = err.__cause__
+    assert isinstance(err, exc), f"expected {exc.__name__}, got {type(info.value).__name__}: {info.value}"
+    for f in fragments:
+        assert f in str(err), f"{f!r} not in: {err}"
+    return err
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.bn(self.fc(x)))
+
+
+def test_batchnorm_in_training_mode_is_refused():
+    model = BNNet()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "var_mean", "bn (BatchNorm1d)", "mixes samples", "GroupNorm")
+
+
+def test_batchnorm_in_eval_mode_is_fine():
+    model = BNNet().eval()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y))
+    assert model.fc.weight.grad is not None
+
+
+def test_token_mean_over_whole_batch_is_refused():
+    model = M.GPT()
+    ids = torch.randint(0, 13, (4, 6))
+    err = expect_refusal(
+        lambda: run(model, lambda m, ids: F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()), (ids,)),
+        "not a sum or mean of per-sample losses", "reduction='none'",
+    )
+    assert "aten.div" in str(err)
+
+
+def test_regulariser_in_loss_is_refused_naming_the_parameter():
+    model = M.MLP()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(
+        lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean() + 1e-3 * m.fc1.weight.pow(2).sum(), (x, y)),
+        "fc1.weight", "does not depend on the samples", "weight decay in the optimizer",
+    )
+
+
+class Flipper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x).flip(-1)
+
+
+def test_unknown_op_is_refused_not_guessed():
+    model = nn.Sequential(Flipper())
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "prims.rev", "0 (Flipper)", "no rule", ".flip(-1)")
+
+
+class BatchCentering(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.mean(0, keepdim=True)
+
+
+def test_mixing_samples_through_a_batch_statistic_is_refused():
+    model = nn.Sequential(BatchCentering())
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "mixes samples", "0 (BatchCentering)")
+
+
+def test_scale_grad_by_freq_embedding_is_refused():
+    model = M.EmbNet()
+    model.emb.scale_grad_by_freq = True
+    ids, y = torch.randint(0, 11, (4, 5)), torch.randn(4, 5, 3)
+    expect_refusal(lambda: run(model, lambda m, i, y: M.mse(m(i), y).mean(), (ids, y)),
+                   "scale_grad_by_freq", "emb (Embedding)")
+
+
+def test_second_differentiable_output_is_refused():
+    model = M.MLP()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+    def step(x, y):
+        per_sample = M.ce(model(x), y)
+        loss = per_sample.mean()
+        loss.backward()
+        return per_sample  # still requires grad: a second output with a gradient
+
+    expect_refusal(lambda: torch.compile(step, backend=backend)(x, y), "exactly one scalar loss", ".detach()")
+
+
+def test_mean_loss_needs_expected_batch_size():
+    model = M.MLP()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y), expected_batch_size=None),
+                   "expected_batch_size", exc=ValueError)
+
+
+def test_inputs_disagreeing_on_batch_size_get_a_hint():
+    model = M.MLP()
+    x, y, w = torch.randn(4, 5), torch.randint(0, 3, (4,)), torch.ones(7)
+
+    def make(**extra):
+        backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, **extra)
+
+        def step(x, y, weights):
+            loss = (M.ce(model(x), y) * weights[:4]).mean()
+            loss.backward()
+            return loss.detach()
+
+        return torch.compile(step, backend=backend)
+
+    expect_refusal(lambda: make()(x, y, w), "batch_dim={'weights': None}", exc=ValueError)
+    torch._dynamo.reset()
+    make(batch_dim={"weights": None})(x, y, w)  # with the hint applied it compiles and runs
+    assert model.fc1.weight.grad is not None
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(max_grad_norm=float("inf")), "max_grad_norm"),
+    (dict(noise_multiplier=-1.0), "noise_multiplier"),
+    (dict(expected_batch_size=0), "expected_batch_size"),
+    (dict(schedule="fast"), "schedule"),
+    (dict(linear_norm="magic"), "linear_norm"),
+    (dict(batch_dim="0"), "batch_dim"),
+    (dict(disable_passes=("no_such_pass",)), "unknown pass"),
+    (dict(disable_passes=("per_sample_norms",)), "cannot be disabled"),
+    (dict(max_grad_nrom=1.0), "unknown dp_fsdp option"),
+])
+def test_bad_options_are_value_errors(bad, fragment):
+    opts = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    opts.update(bad)
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
+        dpcompile.DPConfig.from_options(opts)
+
+
+def test_missing_required_options():
+    with pytest.raises(ValueError, match="needs the option"):
+        dpcompile.DPConfig.from_options({"max_grad_norm": 1.0})

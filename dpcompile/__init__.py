@@ -56,13 +56,17 @@ def private_step(fn: Callable | None = None, **options: Any):
 
 
 def _register_if_missing() -> None:
-    # With `pip install` the entry point registers "dp_fsdp" lazily; from a
-    # plain source checkout register it here (never twice).
+    # With `pip install` the entry point (group torch_dynamo_backends) makes
+    # dynamo import us on first use of "dp_fsdp" and register the name itself;
+    # registering here too would be a duplicate. From a plain source checkout
+    # there is no entry point, so register directly.
+    from importlib.metadata import entry_points
+
     from torch._dynamo.backends import registry
 
-    try:
-        registry.lookup_backend("dp_fsdp")
-    except Exception:
+    if any(ep.name == "dp_fsdp" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    if "dp_fsdp" not in registry.list_backends(exclude_tags=()):
         registry.register_backend(dp_fsdp, "dp_fsdp")
 
 

@@ -43,6 +43,7 @@ class CompiledStep:
     compile_id: str
     inputs: list[GraphInput]
     graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> readable graph
+    modules: dict[str, fx.GraphModule] = dataclasses.field(default_factory=dict)  # "forward"/"backward"
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     dump_files: list[str] = dataclasses.field(default_factory=list)
@@ -116,6 +117,7 @@ class DPPartitioner(CustomPartitionerFn):
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         self._dump("forward", fw)
         self._dump("backward", bw)
+        self.record.modules.update(forward=fw, backward=bw)
         ctx.summary["counters"] = dict(ctx.counters)
         ctx.summary["graph_ops"] = {
             "forward": _op_counts(fw), "backward": _op_counts(bw),

@@ -1,0 +1,156 @@
+"""Golden graphs: where the weight-gradient contractions and the norms sit, per schedule."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from expecttest import TestCase
+
+import dpcompile
+import models as M
+from helpers import compile_step
+
+KEEP = {"mm", "bmm", "sqrt", "clamp_max", "inductor_random"}
+
+
+def op_trace(gm: torch.fx.GraphModule) -> str:
+    """The backward's contractions and norm milestones, in order, with shapes."""
+    lines = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+        if name in KEEP:
+            lines.append(f"{name} {list(n.meta['val'].shape)}")
+    return "\n".join(lines)
+
+
+def mlp_backward(schedule, **extra):
+    torch._dynamo.reset()
+    model = M.MLP()
+    step, backend = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
+                                 schedule=schedule, **extra)
+    step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
+    return backend.compiled[0]
+
+
+class TestGoldenGraphs(TestCase):
+    def test_bk_one_weight_mm_per_linear_after_the_norms(self):
+        rec = mlp_backward("bk")
+        self.assertExpectedInline(op_trace(rec.modules["backward"]), """\
+mm [4, 7]
+sqrt [4]
+clamp_max [4]
+mm [7, 5]
+mm [3, 7]""")
+        self.assertEqual(rec.counters["bk_deferred_contractions"], 4)
+
+    def test_ghost_first_backward_has_no_weight_mm(self):
+        rec = mlp_backward("ghost")
+        self.assertExpectedInline(op_trace(rec.modules["backward"]), """\
+mm [4, 7]
+sqrt [4]
+clamp_max [4]
+mm [4, 7]
+mm [3, 7]
+mm [7, 5]""")
+        self.assertEqual(rec.counters["ghost_recomputed_params"], 4)
+
+    def test_noise_is_drawn_in_the_backward_once_per_parameter(self):
+        torch._dynamo.reset()
+        model = M.MLP()
+        step, backend = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+        step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
+        rec = backend.compiled[0]
+        self.assertExpectedInline(op_trace(rec.modules["backward"]).split("clamp_max [4]\n")[1], """\
+mm [7, 5]
+mm [3, 7]
+inductor_random [7, 5]
+inductor_random [7]
+inductor_random [3, 7]
+inductor_random [3]""")
+        self.assertNotIn("inductor_random", rec.graphs["forward"])
+        self.assertEqual(rec.counters["noise_added"], 4)
+
+
+def test_dumps_and_summary(tmp_path):
+    torch._dynamo.reset()
+    model = M.GPT()
+    step, backend = compile_step(model, M.seq_ce, max_grad_norm=1.0, noise_multiplier=0.5, expected_batch_size=4,
+                                 dump_dir=str(tmp_path), schedule="ghost")
+    ids = torch.randint(0, 13, (4, 6))
+    step((ids,), (ids,))
+    rec = backend.compiled[0]
+    folder = os.path.dirname(rec.dump_files[0])
+    names = sorted(os.listdir(folder))
+    for stage in ("dynamo_graph", "joint_graph_before_dp", "joint_after_batch_dim_analysis",
+                  "joint_after_per_sample_norms", "joint_after_clip_schedule", "joint_after_gaussian_noise",
+                  "joint_graph_after_dp", "forward", "backward"):
+        assert any(stage in n for n in names), (stage, names)
+    assert "summary.txt" in names and "summary.json" in names
+    summary = open(os.path.join(folder, "summary.txt")).read()
+    for name, p in model.named_parameters():
+        assert name in summary, name
+    assert "embedding_ghost" in summary and "token equality" in summary
+    assert "ghost" in summary and "reduction" in summary
+    assert "class GraphModule" in open(os.path.join(folder, [n for n in names if "backward" in n][0])).read()
+
+
+def test_dump_dir_context_manager_and_env(tmp_path):
+    torch._dynamo.reset()
+    model = M.MLP()
+    step, _ = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    with dpcompile.dump_graphs(tmp_path / "ctx"):
+        step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
+    assert any(f.endswith("summary.txt") for _, _, fs in os.walk(tmp_path / "ctx") for f in fs)
+
+
+def _run_script(code: str, env_extra=None):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+STRING_BACKEND = """
+    import torch, torch.nn as nn, torch.nn.functional as F
+    model = nn.Linear(4, 2)
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y, reduction="none").mean()
+        loss.backward()
+        return loss.detach()
+    step = torch.compile(step, backend="dp_fsdp",
+                         options={"max_grad_norm": 0.1, "noise_multiplier": 0.0, "expected_batch_size": 3})
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 1])
+    step(x, y)
+    import sys
+    assert "dpcompile" in sys.modules  # loaded through the entry point
+    assert model.weight.grad.norm() <= 0.1 * 3 / 3 + 1e-6, model.weight.grad.norm()
+    print("OK")
+"""
+
+
+def test_string_backend_works_without_importing_dpcompile(tmp_path):
+    r = _run_script(STRING_BACKEND, {"TORCH_TRACE": str(tmp_path / "trace")})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    logs = "".join(open(os.path.join(tmp_path / "trace", f)).read() for f in os.listdir(tmp_path / "trace"))
+    assert "dpcompile_" in logs and "summary" in logs  # graph dumps as TORCH_TRACE artifacts
+
+
+def test_private_step_decorator():
+    torch._dynamo.reset()
+    model = M.MLP()
+    x, y = torch.randn(4, 5) * 3, torch.randint(0, 3, (4,))
+
+    @dpcompile.private_step(max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4)
+    def step(x, y):
+        loss = M.ce(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    step(x, y)
+    total = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+    assert total <= 0.05 + 1e-6  # flat clipping: each sample <= C, mean over 4 samples
+    assert step.dp_backend.calls == 1
+    assert step.dp_backend.compiled[0].counters["clip_coefficients"] == 1

@@ -1,0 +1,94 @@
+"""Noise: one N(0, s^2 C^2) k draw per coordinate and step, seeded, never repeated."""
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+import dpcompile
+import models as M
+from helpers import compile_step
+
+
+def _grads(model):
+    return torch.cat([p.grad.detach().flatten().clone() for p in model.parameters()])
+
+
+def _run_steps(seed, n_steps, *, sigma=1.3, C=0.7, ebs=5, reduction="mean"):
+    torch.manual_seed(0)
+    model = M.MLP()
+    x, y = torch.randn(4, 5) * 2, torch.randint(0, 3, (4,))
+    noiseless, _ = compile_step(model, M.ce, reduction=reduction, max_grad_norm=C, noise_multiplier=0.0,
+                                expected_batch_size=ebs)
+    model.zero_grad(set_to_none=True)
+    noiseless((x,), (y,))
+    clean = _grads(model)
+    torch._dynamo.reset()
+    step, backend = compile_step(model, M.ce, reduction=reduction, max_grad_norm=C, noise_multiplier=sigma,
+                                 expected_batch_size=ebs, seed=seed)
+    draws = []
+    for _ in range(n_steps):
+        model.zero_grad(set_to_none=True)
+        step((x,), (y,))
+        draws.append(_grads(model) - clean)
+    k = 1.0 / ebs if reduction == "mean" else 1.0
+    return torch.stack(draws).double(), sigma * C * k, backend
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_noise_is_gaussian_with_std_sCk_and_mean_zero(reduction):
+    z, std, _ = _run_steps(seed=1234, n_steps=150, reduction=reduction)
+    n = z.numel()  # 150 steps x 64 coordinates
+    flat = (z / std).flatten().numpy()
+    # mean 0: |mean| of n standard normals is below 4.5/sqrt(n) except with prob ~7e-6
+    assert abs(flat.mean()) < 4.5 / np.sqrt(n), flat.mean()
+    # variance 1: chi-square bounds at the 1e-6 level
+    lo, hi = scipy.stats.chi2.ppf([1e-6, 1 - 1e-6], n) / n
+    assert lo < (flat ** 2).mean() < hi, (flat ** 2).mean()
+    # Gaussian shape
+    assert scipy.stats.kstest(flat, "norm").pvalue > 1e-4
+    # every coordinate gets noise of the same scale (no coordinate skipped or doubled)
+    per_coord = (z / std).pow(2).mean(0).numpy()
+    lo_c, hi_c = scipy.stats.chi2.ppf([1e-7, 1 - 1e-7], z.shape[0]) / z.shape[0]
+    assert ((per_coord > lo_c) & (per_coord < hi_c)).all(), per_coord
+
+
+def test_draws_are_independent_across_steps_and_coordinates():
+    z, std, _ = _run_steps(seed=99, n_steps=150)
+    z = (z / std).numpy()
+    # successive steps uncorrelated
+    r_steps = np.corrcoef(z[:-1].flatten(), z[1:].flatten())[0, 1]
+    assert abs(r_steps) < 4.5 / np.sqrt(z[:-1].size), r_steps
+    # coordinates uncorrelated with each other (different parameters' streams included)
+    c = np.corrcoef(z.T)
+    off = c[~np.eye(c.shape[0], dtype=bool)]
+    assert np.abs(off).max() < 0.5, np.abs(off).max()
+    assert abs(off.mean()) < 0.02, off.mean()
+
+
+def test_same_seed_reproduces_and_different_seeds_differ():
+    a, _, _ = _run_steps(seed=7, n_steps=3)
+    torch._dynamo.reset()
+    b, _, _ = _run_steps(seed=7, n_steps=3)
+    torch._dynamo.reset()
+    c, _, _ = _run_steps(seed=8, n_steps=3)
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, c)
+    assert not torch.allclose(a[0], a[1])  # a fresh draw every step
+
+
+def test_noise_state_round_trips_for_checkpoints():
+    z, _, backend = _run_steps(seed=5, n_steps=4)
+    state = backend.state_dict()
+    assert state["step"] == 4 and state["seed"] == 5
+    fresh = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    fresh.load_state_dict(state)
+    assert fresh.noise.seeds_for(4, 3) == backend.noise.seeds_for(4, 3)
+    assert fresh.noise.seeds_for(3, 3) != fresh.noise.seeds_for(4, 3)
+    with pytest.raises(ValueError, match="missing"):
+        fresh.load_state_dict({"seed": 1})
+
+
+def test_unseeded_backends_draw_different_seeds():
+    a = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    b = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    assert a.noise.seed != b.noise.seed

@@ -87,8 +87,68 @@ class GraphBuilder:
         self.tag = tag
         self.meta_source: fx.Node | None = None
         self.added = 0
+        self._syms: dict[Any, fx.Node] | None = None
+
+    # -- symbolic sizes -----------------------------------------------------------
+    def _symbol_nodes(self) -> dict[Any, fx.Node]:
+        if self._syms is not None:
+            return self._syms
+        syms: dict[Any, fx.Node] = {}
+        for n in self.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+                syms.setdefault(v.node.expr, n)
+        placeholders = self.graph.find_nodes(op="placeholder")
+        for ph in placeholders:
+            v = ph.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                continue
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol and size.node.expr not in syms:
+                    with self.graph.inserting_after(placeholders[-1]):
+                        n = self.graph.call_function(aten.sym_size.int, (ph, d))
+                    n.meta["val"] = size
+                    syms[size.node.expr] = n
+        self._syms = syms
+        return syms
+
+    def sym_node(self, s: torch.SymInt) -> Any:
+        """A graph node computing the symbolic size ``s`` (an int if it is one)."""
+        import sympy
+        from torch.utils._sympy.functions import FloorDiv
+
+        syms = self._symbol_nodes()
+        shape_env = s.node.shape_env
+
+        def build(e):
+            if e.is_Integer:
+                return int(e)
+            if e in syms:
+                return syms[e]
+            if isinstance(e, sympy.Mul):
+                op = operator.mul
+            elif isinstance(e, sympy.Add):
+                op = operator.add
+            elif isinstance(e, FloorDiv):
+                op = operator.floordiv
+            else:
+                raise NotImplementedError(f"dpcompile cannot rebuild the symbolic size {e}")
+            parts = [build(a) for a in e.args]
+            acc = parts[0]
+            for p in parts[1:]:
+                node = self.graph.call_function(op, (acc, p))
+                va = acc.meta["val"] if isinstance(acc, fx.Node) else acc
+                vp = p.meta["val"] if isinstance(p, fx.Node) else p
+                node.meta["val"] = op(va, vp)
+                acc = node
+            syms[e] = acc
+            return acc
+
+        return build(shape_env.simplify(s.node.expr) if shape_env is not None else s.node.expr)
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        # Symbolic sizes (dynamic batch) must be graph values, not constants.
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.SymInt, self.sym_node, (args, kwargs))
         node = self.graph.call_function(target, args, kwargs)
         fargs, fkwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         with self.fake_mode:

@@ -35,9 +35,7 @@ def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[i
     shape = list(x.meta["val"].shape)
     d = lay.dim
     split = shape[:d] + [lay.outer, B, lay.inner] + shape[d + 1 :]
-    xs = b.view(x, split) if split != shape else x
-    if split == shape:
-        raise AssertionError("split must add two axes")
+    xs = b.view(x, split)
     newpos = lambda k: k if k < d else k + 2  # noqa: E731
     feats = [newpos(f) for f in feature_dims]
     rows = [k for k in range(len(split)) if k != d + 1 and k not in feats]
@@ -312,7 +310,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         denom = b.call(aten.add.Tensor, norms, ctx.config.norm_eps)
         coef = b.call(aten.clamp_max.default,
                       b.call(aten.mul.Tensor, b.call(aten.reciprocal.default, denom), ctx.config.max_grad_norm), 1.0)
-        r = b.call(aten.mul.Tensor, coef, loss.M * loss.k)
+        r = b.call(aten.mul.Tensor, b.call(aten.mul.Tensor, coef, loss.M), loss.k)  # M may be symbolic
     ctx.per_sample_norms = norms
     ctx.clip_coef = coef
     ctx.scale_rows = r

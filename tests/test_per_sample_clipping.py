@@ -93,3 +93,31 @@ def test_tied_embedding_and_head(schedule):
     inputs, targets = (_ids(4, 6, 13),), (_ids(4, 6, 13),)
     backend = check_against_reference(model, M.seq_ce, inputs, targets, schedule=schedule)
     assert backend.compiled[0].counters["params_shared"] == 1
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_varying_batch_sizes_use_a_dynamic_graph(schedule):
+    """Poisson sampling changes B every step: dynamo recompiles once with a symbolic batch size."""
+    from reference import dp_reference
+
+    import dpcompile
+
+    model = M.GPT()
+    backend = dpcompile.DPBackend(max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=4, schedule=schedule)
+
+    def step(ids, y):
+        loss = M.seq_ce(model(ids), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend=backend)
+    for B in (4, 3, 5, 2):
+        ids = _ids(B, 6, 13)
+        model.zero_grad(set_to_none=True)
+        compiled(ids, ids)
+        ref, norms = dp_reference(model, M.seq_ce, (ids,), (ids,), max_grad_norm=0.3, expected_batch_size=4)
+        assert (norms > 0.3).any()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-5, atol=1e-7)
+    dp_graphs = [r for r in backend.compiled if r.dp]
+    assert len(dp_graphs) == 2  # B=4 static, then one symbolic-B graph for 3, 5, 2

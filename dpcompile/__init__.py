@@ -13,10 +13,32 @@ from typing import Any, Callable
 
 import torch
 
-from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend
-from dpcompile.config import DPConfig
-from dpcompile.debug import dump_graphs
-from dpcompile.errors import DPCompileError
+def _locate_passes() -> None:
+    # The passes live in the top-level folder passes/ and install as
+    # dpcompile.passes (pyproject package-dir). Running from a source checkout
+    # without installing, import them from that folder under the same name.
+    import importlib.util
+    import os
+    import sys
+
+    if "dpcompile.passes" in sys.modules or importlib.util.find_spec("dpcompile.passes") is not None:
+        return
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes")
+    spec = importlib.util.spec_from_file_location(
+        "dpcompile.passes", os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dpcompile.passes"] = module
+    spec.loader.exec_module(module)
+    setattr(sys.modules[__name__], "passes", module)
+
+
+_locate_passes()
+
+from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
+from dpcompile.config import DPConfig  # noqa: E402
+from dpcompile.debug import dump_graphs  # noqa: E402
+from dpcompile.errors import DPCompileError  # noqa: E402
 
 __all__ = [
     "DPBackend", "DPCompileError", "DPConfig", "CompiledStep", "dump_graphs", "get_backend", "private_step", "dp_fsdp",
@@ -67,7 +89,10 @@ def _register_if_missing() -> None:
     if any(ep.name == "dp_fsdp" for ep in entry_points(group="torch_dynamo_backends")):
         return
     if "dp_fsdp" not in registry.list_backends(exclude_tags=()):
-        registry.register_backend(dp_fsdp, "dp_fsdp")
+        try:
+            registry.register_backend(dp_fsdp, "dp_fsdp")
+        except AssertionError:  # registered meanwhile (duplicate name)
+            pass
 
 
 _register_if_missing()

@@ -99,6 +99,11 @@ class DPPartitioner(CustomPartitionerFn):
     def __deepcopy__(self, memo):
         return self  # Inductor copies its config; this object holds live compile state
 
+    def __reduce__(self):
+        # Inductor pickles its config to hash it; a token unique to this
+        # object keeps keys distinct without pickling live compile state.
+        return (str, (f"dpcompile.DPPartitioner@{id(self):x}",))
+
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 

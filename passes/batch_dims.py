@@ -258,6 +258,8 @@ class BatchDimAnalysis:
             if acc and isinstance(self.states.get(vals), Reduced) and all(self.states.get(a) is FREE for a in others):
                 return Reduced(r.origin)
             return Mixed(node, "a scatter involving a sum over the samples")
+        if t is aten.where.self and _is_masking(self, node):
+            return Reduced(r.origin)
         if t in _LINEAR_ON_REDUCED or getattr(t, "overloadpacket", None) in _VIEWLIKE_PACKETS:
             if t in (aten.mul.Tensor, aten.div.Tensor):
                 # linear only if the other factor does not depend on the samples
@@ -275,6 +277,28 @@ class BatchDimAnalysis:
 
     def tensor_args(self, node: fx.Node) -> list[tuple[fx.Node, Any]]:
         return [(a, self.states[a]) for a in node.all_input_nodes]
+
+
+def is_zero_constant(a: Any) -> bool:
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return a == 0
+    if isinstance(a, fx.Node) and a.op == "call_function":
+        if a.target in (aten.full.default, aten.scalar_tensor.default):
+            fill = a.args[1] if a.target is aten.full.default else a.args[0]
+            return isinstance(fill, (int, float)) and fill == 0
+        if a.target in (aten.zeros.default, aten.zeros_like.default):
+            return True
+    return False
+
+
+def _is_masking(an: "BatchDimAnalysis", node: fx.Node) -> bool:
+    """where(cond, x, 0) / where(cond, 0, x) with a sample-free cond: linear in x."""
+    cond, a, b = node.args[:3]
+    if an.st(cond) is not FREE:
+        return False
+    x = a if is_zero_constant(b) else b if is_zero_constant(a) else None
+    return x is not None and isinstance(x, fx.Node) and \
+        tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape)
 
 
 # ---------------------------------------------------------------------------

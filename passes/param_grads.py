@@ -18,7 +18,7 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import module_of, op_name
 
-from .batch_dims import FREE, Batched, Contribution, Mixed, Reduced
+from .batch_dims import FREE, Batched, Contribution, Mixed, Reduced, is_zero_constant
 from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten
@@ -102,6 +102,12 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         ta, _ = decompose(a, ctx, param, alpha)
         tb, _ = decompose(b, ctx, param, alpha * beta * (-1 if t is aten.sub.Tensor else 1))
         return ta + tb, False
+    if t is aten.where.self and ctx.states.get(node.args[0]) is FREE:
+        c, a, b = node.args[:3]
+        x = a if is_zero_constant(b) else b if is_zero_constant(a) else None
+        if isinstance(x, fx.Node) and tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape):
+            terms, _ = decompose(x, ctx, param, alpha)
+            return terms, False
     if t in SCATTER_ADD:
         # a sum over samples scattered to sample-free positions (a position
         # embedding's backward): linear, replayed per sample for the norm

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import GraphBuilder, known
 
-from .batch_dims import Batched, Contribution
+from .batch_dims import Batched, Contribution, is_zero_constant
 from .context import DPPassContext
 from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
 
@@ -222,6 +222,12 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         x = _replay(b, nb, node.args[0], pg, memo)
         y = _replay(b, nb, node.args[1], pg, memo)
         r = b.call(t, x, y, **node.kwargs)
+    elif t is aten.where.self:
+        c, a, z = node.args[:3]
+        keep_first = is_zero_constant(z)
+        x = _replay(b, nb, a if keep_first else z, pg, memo)
+        zero = b.call(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype)
+        r = b.call(aten.where.self, c, x, zero) if keep_first else b.call(aten.where.self, c, zero, x)
     elif t in SCATTER_ADD:
         masked = t is aten._unsafe_masked_index_put_accumulate.default
         base, indices = node.args[0], node.args[2] if masked else node.args[1]

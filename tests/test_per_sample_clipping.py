@@ -17,6 +17,7 @@ def _ids(B, T, vocab, pad=None):
 
 CASES = {
     "mlp_2d": (lambda: M.MLP(), lambda B: ((torch.randn(B, 5) * 2,), (torch.randint(0, 3, (B,)),)), M.ce),
+    "linear_2d_no_bias": (lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 6),), (torch.randn(B, 3),)), M.mse),
     "linear_3d": (lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
     "linear_4d": (lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 2, 3, 6),), (torch.randn(B, 2, 3, 3),)), M.mse),
     "conv1d_addmm": (lambda: M.Conv1DNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
@@ -121,3 +122,41 @@ def test_varying_batch_sizes_use_a_dynamic_graph(schedule):
             torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-5, atol=1e-7)
     dp_graphs = [r for r in backend.compiled if r.dp]
     assert len(dp_graphs) == 2  # B=4 static, then one symbolic-B graph for 3, 5, 2
+
+
+class TimeMajor(torch.nn.Module):
+    """Takes [T, B, d] input: the samples are on dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = M.SeqLinear()
+
+    def forward(self, x):
+        return self.inner(x.transpose(0, 1))
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_batch_dim_option(schedule):
+    from reference import dp_reference
+
+    import dpcompile
+
+    model = TimeMajor()
+    x, y = torch.randn(4, 5, 6), torch.randn(5, 4, 3)  # x: [T=4, B=5, d]
+    ref_fwd = lambda m, xb: m(xb.transpose(0, 1))  # noqa: E731  (the oracle sees [B, T, d])
+    _, norms = dp_reference(model, M.mse, (x.transpose(0, 1),), (y,), max_grad_norm=1.0, expected_batch_size=5,
+                            forward=ref_fwd)
+    C = float(norms.median())
+    ref, _ = dp_reference(model, M.mse, (x.transpose(0, 1),), (y,), max_grad_norm=C, expected_batch_size=5,
+                          forward=ref_fwd)
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, schedule=schedule,
+                                  batch_dim={"x": 1})
+
+    def step(x, y):
+        loss = M.mse(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    torch.compile(step, backend=backend)(x, y)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-5, atol=1e-7)

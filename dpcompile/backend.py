@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
-from dpcompile.fx_utils import clean_module_path, known
+from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
@@ -43,7 +43,9 @@ class CompiledStep:
     compile_id: str
     inputs: list[GraphInput]
     graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> readable graph
-    modules: dict[str, fx.GraphModule] = dataclasses.field(default_factory=dict)  # "forward"/"backward"
+    # per stage ("forward", "backward"): (op, output shape) of every call, in
+    # order, taken before Inductor lowers (and strips) the graphs
+    ops: dict[str, list[tuple[str, tuple]]] = dataclasses.field(default_factory=dict)
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     dump_files: list[str] = dataclasses.field(default_factory=list)
@@ -112,17 +114,14 @@ class DPPartitioner(CustomPartitionerFn):
         for p in PASSES:
             if p.name in self.backend.config.disable_passes:
                 continue
-            gm = p.fn(gm, ctx)
-            if p.name == "clip_schedule" or p.name == "gaussian_noise" or p.name == "cleanup":
-                finalize(gm)
+            gm = finalize(p.fn(gm, ctx))  # passes append rebuilt nodes; restore order, lint
             self._dump(f"joint_after_{p.name}", gm)
-        finalize(gm)
         self._dump("joint_graph_after_dp", gm)
         self.record.counters = dict(ctx.counters)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         self._dump("forward", fw)
         self._dump("backward", bw)
-        self.record.modules.update(forward=fw, backward=bw)
+        self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))
         ctx.summary["counters"] = dict(ctx.counters)
         ctx.summary["graph_ops"] = {
             "forward": _op_counts(fw), "backward": _op_counts(bw),
@@ -183,6 +182,15 @@ class DPPartitioner(CustomPartitionerFn):
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         self.backend._n_noise = max(self.backend._n_noise, noise_index)
         return ctx
+
+
+def _op_list(gm: fx.GraphModule) -> list[tuple[str, tuple]]:
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            v = n.meta.get("val")
+            out.append((str(n.target), tuple(v.shape) if isinstance(v, torch.Tensor) else ()))
+    return out
 
 
 def _op_counts(gm: fx.GraphModule) -> dict[str, int]:

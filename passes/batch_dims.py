@@ -20,7 +20,6 @@ per-sample gradient *contributions*; they are recorded for the later passes.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from typing import Any
 
@@ -229,15 +228,9 @@ class BatchDimAnalysis:
         if isinstance(ov, torch.Tensor) and ov.numel() == 1:
             # a scalar computed across samples feeding per-sample values: the
             # typical case is a loss normalised by a count over the batch
-            from .loss_reduction import PER_SAMPLE_LOSS_HELP
+            from .loss_reduction import loss_not_per_sample  # cycle: it imports this module
 
-            return DPCompileError(
-                f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(o)} in module "
-                f"{module_of(o)} computes {m.why} (for example a token mean over the whole batch with "
-                f"ignore_index divides by a count taken across samples)."
-                + (f"\n  at: {source_line(o)}" if source_line(o) else "")
-                + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
-            )
+            return loss_not_per_sample(o, m.why)
         return DPCompileError(
             f"dp_fsdp cannot prove per-sample gradients: op {op_name(o)} in module {module_of(o)} "
             f"mixes samples ({m.why}), and its result is combined with per-sample data by "

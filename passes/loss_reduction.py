@@ -22,6 +22,16 @@ PER_SAMPLE_LOSS_HELP = (
 )
 
 
+def loss_not_per_sample(origin: fx.Node, why: str) -> DPCompileError:
+    return DPCompileError(
+        f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
+        f"{module_of(origin)} computes {why} (for example a token mean over the whole batch with "
+        f"ignore_index divides by a count taken across samples)."
+        + (f"\n  at: {source_line(origin)}" if source_line(origin) else "")
+        + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
+    )
+
+
 @dataclasses.dataclass
 class LossInfo:
     node: fx.Node  # forward value of the loss
@@ -55,14 +65,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     loss = fwd_outs[idx]
     st = ctx.states.get(loss, FREE)
     if isinstance(st, Mixed):
-        o = st.origin
-        raise DPCompileError(
-            f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(o)} in module "
-            f"{module_of(o)} computes {st.why} (for example a token mean over the whole batch with "
-            f"ignore_index divides by a count taken across samples)."
-            + (f"\n  at: {source_line(o)}" if source_line(o) else "")
-            + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
-        )
+        raise loss_not_per_sample(st.origin, st.why)
     if st is FREE:
         raise DPCompileError("dp_fsdp: the loss does not depend on the batch inputs; nothing to privatise.")
     if loss.meta["val"].numel() != 1:

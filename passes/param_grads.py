@@ -9,7 +9,6 @@ gradient term that does not depend on the samples at all) is refused.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import module_of, op_name
 
-from .batch_dims import FREE, Batched, Contribution, Mixed, Reduced, is_zero_constant
+from .batch_dims import FREE, Batched, Contribution, Mixed, is_zero_constant
 from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten

@@ -1,7 +1,6 @@
 """Every layer kind, both schedules, against the vmap(grad) oracle with clipping active."""
 import pytest
 import torch
-import torch.nn as nn
 
 import models as M
 from helpers import check_against_reference

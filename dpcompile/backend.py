@@ -111,12 +111,21 @@ class DPPartitioner(CustomPartitionerFn):
 
         ctx = self._context(gm, kwargs["num_fwd_outputs"])
         self._dump("joint_graph_before_dp", gm)
+        before = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
         for p in PASSES:
             if p.name in self.backend.config.disable_passes:
                 continue
             gm = finalize(p.fn(gm, ctx))  # passes append rebuilt nodes; restore order, lint
             self._dump(f"joint_after_{p.name}", gm)
         self._dump("joint_graph_after_dp", gm)
+        after = {n.name for n in gm.graph.nodes if n.op == "call_function"}
+        removed = sorted(f"{k} ({v})" for k, v in before.items() if k not in after)
+        ctx.summary["rewrite"] = {
+            "joint_nodes_before": len(before),
+            "joint_nodes_after": len(after),
+            "added": len(after - set(before)),
+            "removed": removed,
+        }
         self.record.counters = dict(ctx.counters)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         self._dump("forward", fw)

@@ -777,14 +777,16 @@ def _attention(an, node):
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     res = []
     for o in outs:
-        if (
-            isinstance(o, torch.Tensor)
-            and found is not None
-            and (found.dim is None or (o.dim() > found.dim and known(o.shape[found.dim] == found.outer * an.B * found.inner)))
-        ):
-            res.append(found)
-        else:
+        if not isinstance(o, torch.Tensor) or found is None:
             res.append(FREE)
+        elif found.dim is None or (o.dim() > found.dim and known(o.shape[found.dim] == found.outer * an.B * found.inner)):
+            res.append(found)
+        elif not o.dtype.is_floating_point:
+            res.append(FREE)  # RNG seed / offset outputs
+        else:
+            # e.g. the gradient of a bias broadcast over the batch, summed
+            # inside the fused kernel: not something we can decompose
+            res.append(Mixed(node, "an attention output reduced over the samples inside the fused kernel"))
     return tuple(res) if isinstance(node.meta["val"], (tuple, list)) else res[0]
 
 

@@ -92,6 +92,8 @@ def test_dumps_and_summary(tmp_path):
         assert name in summary, name
     assert "embedding_ghost" in summary and "token equality" in summary
     assert "ghost" in summary and "reduction" in summary
+    # what the rewrite removed: the first backward's weight-gradient contractions
+    assert "rewrite" in summary and "(aten.mm.default)" in summary
     assert "class GraphModule" in open(os.path.join(folder, [n for n in names if "backward" in n][0])).read()
 
 

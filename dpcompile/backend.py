@@ -278,7 +278,12 @@ class DPBackend:
         seeds_example = self.noise.example(len(inputs), device)
         gm = _with_seeds_input(gm, seeds_example)
         part = DPPartitioner(self, record, dumper)
-        compiled = compile_fx(gm, [*example_inputs, seeds_example], config_patches={"custom_partitioner_fn": part})
+        compiled = compile_fx(gm, [*example_inputs, seeds_example], config_patches={
+            "custom_partitioner_fn": part,
+            # pad_mm pads and re-slices contractions in the joint graph; the
+            # per-sample norms are cheaper on the unpadded ones
+            "shape_padding": False,
+        })
         n_seeds = len(inputs)
 
         def dp_step(*args):

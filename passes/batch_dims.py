@@ -251,6 +251,9 @@ class BatchDimAnalysis:
             if acc and isinstance(self.states.get(vals), Reduced) and all(self.states.get(a) is FREE for a in others):
                 return Reduced(r.origin)
             return Mixed(node, "a scatter involving a sum over the samples")
+        if t is aten.slice_scatter.default and is_zero_constant(node.args[0]) and \
+                isinstance(self.states.get(node.args[1]), Reduced):
+            return Reduced(r.origin)  # a sum over samples placed into zeros: linear
         if t is aten.where.self and _is_masking(self, node):
             return Reduced(r.origin)
         if t in _LINEAR_ON_REDUCED or getattr(t, "overloadpacket", None) in _VIEWLIKE_PACKETS:
@@ -868,6 +871,7 @@ _LINEAR_ON_REDUCED = {
     aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Tensor, aten.mul.Scalar,
     aten.div.Tensor, aten.div.Scalar, prims.convert_element_type.default, aten.clone.default,
     aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.expand.default,
+    aten.slice.Tensor,
 }
 
 _RULES: dict[Any, Any] = {}

@@ -101,6 +101,13 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         ta, _ = decompose(a, ctx, param, alpha)
         tb, _ = decompose(b, ctx, param, alpha * beta * (-1 if t is aten.sub.Tensor else 1))
         return ta + tb, False
+    if t is aten.slice_scatter.default and is_zero_constant(node.args[0]):
+        terms, _ = decompose(node.args[1], ctx, param, alpha)
+        return terms, False
+    if t is aten.slice.Tensor:
+        # e.g. Inductor's shape padding slices a padded contraction back
+        terms, _ = decompose(node.args[0], ctx, param, alpha)
+        return terms, False
     if t is aten.where.self and ctx.states.get(node.args[0]) is FREE:
         c, a, b = node.args[:3]
         x = a if is_zero_constant(b) else b if is_zero_constant(a) else None

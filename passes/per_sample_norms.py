@@ -222,6 +222,22 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         x = _replay(b, nb, node.args[0], pg, memo)
         y = _replay(b, nb, node.args[1], pg, memo)
         r = b.call(t, x, y, **node.kwargs)
+    elif t is aten.slice.Tensor:
+        x = _replay(b, nb, node.args[0], pg, memo)
+        n = x.meta["val"].dim() - 1
+        args = list(node.args)
+        args[0] = x
+        args[1] = (args[1] if len(args) > 1 else 0) % n + 1
+        r = b.call(t, *args)
+    elif t is aten.slice_scatter.default:
+        x = _replay(b, nb, node.args[1], pg, memo)
+        base = node.args[0].meta["val"]
+        zeros = b.call(aten.full.default, [nb.B] + list(base.shape), 0.0, dtype=x.meta["val"].dtype,
+                       device=x.meta["val"].device)
+        args = list(node.args)
+        args[0], args[1] = zeros, x
+        args[2] = (args[2] if len(args) > 2 else 0) % base.dim() + 1
+        r = b.call(t, *args)
     elif t is aten.where.self:
         c, a, z = node.args[:3]
         keep_first = is_zero_constant(z)

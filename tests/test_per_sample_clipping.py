@@ -159,3 +159,39 @@ def test_batch_dim_option(schedule):
     torch.compile(step, backend=backend)(x, y)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-5, atol=1e-7)
+
+
+class SlicedHead(torch.nn.Module):
+    """A weight used through a slice of its own gradient-carrying result (the shape padding pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5, 8) * 0.3)
+
+    def forward(self, x):
+        return torch.nn.functional.pad(x, (0, 3)) @ self.w.t()[:8]
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_padded_contraction_sliced_back(schedule):
+    model = SlicedHead()
+    inputs, targets = (torch.randn(4, 5) * 2,), (torch.randn(4, 5),)
+    check_against_reference(model, M.mse, inputs, targets, schedule=schedule)
+
+
+class SplitWeight(torch.nn.Module):
+    """One weight used through two slices: its gradient is two contributions placed by slice_scatter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 4) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w[:3].t()) @ self.w[3:]
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_weight_used_through_two_slices(schedule):
+    model = SplitWeight()
+    inputs, targets = (torch.randn(4, 4) * 2,), (torch.randn(4, 4),)
+    check_against_reference(model, M.mse, inputs, targets, schedule=schedule)

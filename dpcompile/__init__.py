@@ -39,9 +39,10 @@ from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # n
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.errors import DPCompileError  # noqa: E402
+from dpcompile.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 __all__ = [
-    "DPBackend", "DPCompileError", "DPConfig", "CompiledStep", "dump_graphs", "get_backend", "private_step", "dp_fsdp",
+    "DPBackend", "DPCompileError", "MixedPrecisionPolicy", "fully_shard", "DPConfig", "CompiledStep", "dump_graphs", "get_backend", "private_step", "dp_fsdp",
 ]
 
 

@@ -154,16 +154,18 @@ class DPPartitioner(CustomPartitionerFn):
         primals = [p for p in placeholders if not p.name.startswith("tangents")]
         by_index: dict[int, fx.Node] = {}
         for pos, p in enumerate(primals):
-            desc = p.meta.get("desc")
-            idx = getattr(desc, "idx", None)
+            idx = _input_index(p.meta.get("desc"))
             by_index[idx if idx is not None else pos] = p
         out = gm.graph.find_nodes(op="output")[0]
         grad_pos: dict[int, int] = {}
         descs = out.meta.get("desc") or []
         for j, d in enumerate(descs):
+            while hasattr(d, "base") and getattr(d, "attr", None) == "_local_tensor":
+                d = d.base  # a DTensor gradient's local shard
             of = getattr(d, "grad_of", None)
-            if of is not None and getattr(of, "idx", None) is not None:
-                grad_pos[of.idx] = j
+            idx = _input_index(of)
+            if idx is not None:
+                grad_pos[idx] = j
         if not grad_pos:  # older layout: one gradient per primal after the forward outputs
             grad_pos = {i: num_fwd_outputs + i for i in range(len(primals))}
         params, data = [], {}
@@ -191,6 +193,19 @@ class DPPartitioner(CustomPartitionerFn):
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         self.backend._n_noise = max(self.backend._n_noise, noise_index)
         return ctx
+
+
+def _input_index(desc) -> int | None:
+    """Position among the dynamo graph's inputs of a joint-graph input descriptor.
+
+    A DTensor input is unpacked into its local tensor (SubclassGetAttrAOTInput
+    with attr "_local_tensor"); other unpacked pieces have no position.
+    """
+    while desc is not None and hasattr(desc, "base"):
+        if getattr(desc, "attr", None) != "_local_tensor":
+            return None
+        desc = desc.base
+    return getattr(desc, "idx", None)
 
 
 def _op_list(gm: fx.GraphModule) -> list[tuple[str, tuple]]:

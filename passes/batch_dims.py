@@ -871,8 +871,13 @@ _LINEAR_ON_REDUCED = {
     aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Tensor, aten.mul.Scalar,
     aten.div.Tensor, aten.div.Scalar, prims.convert_element_type.default, aten.clone.default,
     aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.expand.default,
-    aten.slice.Tensor,
+    aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.constant_pad_nd.default,
+    aten.cat.default,
 }
+# cross-rank sums (FSDP gradient reduction): linear
+_C10D = torch.ops._c10d_functional
+COLLECTIVE_REDUCTIONS = {_C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default}
+_LINEAR_ON_REDUCED |= COLLECTIVE_REDUCTIONS | {_C10D.wait_tensor.default}
 
 _RULES: dict[Any, Any] = {}
 for p in (aten.view, aten._unsafe_view, aten.reshape):

@@ -41,6 +41,7 @@ class DPPassContext:
     contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     analysis: Any = None
     backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order
+    local_grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)  # param -> pre-collective grad
     whole_gradient_mode: bool = False  # B == 1: the per-sample gradient is the gradient
     counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)

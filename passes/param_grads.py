@@ -9,6 +9,7 @@ gradient term that does not depend on the samples at all) is refused.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import module_of, op_name
 
-from .batch_dims import FREE, Batched, Contribution, Mixed, is_zero_constant
+from .batch_dims import COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, is_zero_constant
 from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten
@@ -35,12 +36,54 @@ NORM_PRESERVING = {
 SCATTER_ADD = {aten.index_put.default, aten._unsafe_index_put.default, aten._unsafe_masked_index_put_accumulate.default}
 
 
+def unglue(x: fx.Node) -> fx.Node:
+    """The full local gradient G behind DTensor's uneven-shard glue, else x.
+
+    Before a reduce-scatter, DTensor splits G along dim 0 into one piece per
+    rank, zero-pads the short ones and concatenates them: a re-arrangement
+    that keeps every entry (norm-preserving). Recognised only in exactly that
+    form: cat([split(G)[0], pad(split(G)[1]), ...]) over all pieces, in order.
+    """
+    if x.target is not aten.cat.default or (len(x.args) > 1 and x.args[1] not in (0,)):
+        return x
+    split = None
+    for i, piece in enumerate(x.args[0]):
+        if piece.target is aten.constant_pad_nd.default:
+            pad = list(piece.args[1])
+            value = piece.args[2] if len(piece.args) > 2 else 0
+            nd = piece.meta["val"].dim()
+            # only the end of dim 0 may be padded, with zeros
+            if value != 0 or len(pad) != 2 * nd or any(pad[: 2 * nd - 1]) or pad[-1] < 0:
+                return x
+            piece = piece.args[0]
+        if piece.target is not operator.getitem or piece.args[1] != i:
+            return x
+        sp = piece.args[0]
+        if sp.target not in (aten.split.Tensor, aten.split_with_sizes.default) or \
+                (len(sp.args) > 2 and sp.args[2] != 0):
+            return x
+        if split is None:
+            split = sp
+        elif sp is not split:
+            return x
+    if split is None or len(x.args[0]) != len(split.meta["val"]):
+        return x
+    return split.args[0]
+
+
 @dataclasses.dataclass
 class ParamGrad:
     param: ParamInfo
     grad_node: fx.Node
     terms: list[tuple[Contribution, float]]  # gradient = sum alpha * chain(contribution)
     norm_preserving: bool  # one term and the chain only moves entries
+    # this rank's full gradient before any cross-rank reduction (the node the
+    # per-sample norm is the norm of); grad_node itself without collectives
+    local_grad: fx.Node | None = None
+
+    @property
+    def local(self) -> fx.Node:
+        return self.local_grad if self.local_grad is not None else self.grad_node
 
 
 def _scalar(x: Any) -> float | None:
@@ -70,6 +113,14 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     if isinstance(st, Batched):
         raise refuse("the gradient still has a sample dim (internal: no reduction over samples found)")
     t = node.target
+    if t is torch.ops._c10d_functional.wait_tensor.default:
+        return decompose(node.args[0], ctx, param, alpha)
+    if t in COLLECTIVE_REDUCTIONS:
+        # a sum over ranks: each rank's samples are its own, so the per-sample
+        # gradient is this rank's gradient before the reduction
+        local = unglue(node.args[0])
+        ctx.local_grads[param.name] = local
+        return decompose(local, ctx, param, alpha)
     if t in NORM_PRESERVING:
         terms, simple = decompose(node.args[0], ctx, param, alpha)
         return terms, simple
@@ -123,6 +174,21 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     raise refuse("this op is applied to the gradient after the sum over samples")
 
 
+def local_gradient(g: fx.Node) -> fx.Node | None:
+    """This rank's gradient before the first cross-rank reduction on the way to g (None: no collective)."""
+    local = None
+    node = g
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target in COLLECTIVE_REDUCTIONS:
+            local = unglue(node.args[0])
+            node = local
+        elif node.target is torch.ops._c10d_functional.wait_tensor.default or node.target in NORM_PRESERVING:
+            node = node.args[0]
+        else:
+            break
+    return local
+
+
 def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """For every trainable parameter: which contributions make up its gradient."""
     out = gm.graph.find_nodes(op="output")[0]
@@ -132,11 +198,11 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
         if g is None:
             continue
         if ctx.whole_gradient_mode:
-            ctx.decompositions[p.name] = ParamGrad(p, g, [], True)
+            ctx.decompositions[p.name] = ParamGrad(p, g, [], True, local_gradient(g))
             continue
         terms, simple = decompose(g, ctx, p)
         simple = simple and len(terms) == 1
-        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple)
+        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple, ctx.local_grads.get(p.name))
         ctx.counters["params_decomposed"] += 1
         if len(terms) > 1:
             ctx.counters["params_shared"] += 1

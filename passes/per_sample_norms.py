@@ -283,9 +283,9 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
     for name, pg in ctx.decompositions.items():
         entry = report.setdefault(name, {"shape": list(pg.param.primal.meta["val"].shape)})
         if ctx.whole_gradient_mode:
-            with graph.inserting_after(pg.grad_node):
-                b.meta_source = pg.grad_node
-                sq = b.sq_sum_per_sample(b.view(pg.grad_node, [1, -1]))
+            with graph.inserting_after(pg.local):
+                b.meta_source = pg.local
+                sq = b.sq_sum_per_sample(b.view(pg.local, [1, -1]))
             entry["decomposition"] = "batch of one sample: the per-sample gradient is the gradient"
             entry["norm"] = "materialize (whole gradient)"
             ctx.counters["norm_whole_gradient"] += 1
@@ -304,10 +304,10 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["why"] = why
             ctx.counters[f"norm_{c.kind}_{algo}"] += 1
         else:
-            anchor = pg.grad_node
+            anchor = pg.local
             with graph.inserting_after(anchor):
                 b.meta_source = anchor
-                full = _replay(b, nb, pg.grad_node, pg, {})
+                full = _replay(b, nb, pg.local, pg, {})
                 sq = b.sq_sum_per_sample(full)
             kinds = "+".join(c.kind for c, _ in pg.terms)
             entry["decomposition"] = f"{len(pg.terms)} contributions ({kinds}) through a reshaping chain"

@@ -34,6 +34,7 @@ class GraphInput:
     kind: str  # "param", "frozen_param", "buffer", "data", "constant", "symint"
     name: str
     batch_dim: int | None = None
+    reshard_after_forward: bool = False  # a fully_shard parameter to gather again in the backward
 
 
 @dataclasses.dataclass
@@ -76,7 +77,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
         if not isinstance(example, torch.Tensor):
             out.append(GraphInput(i, "symint", src or node.name))
         elif isinstance(example, nn.Parameter):
-            out.append(GraphInput(i, "param" if example.requires_grad else "frozen_param", clean_module_path(src)))
+            out.append(GraphInput(i, "param" if example.requires_grad else "frozen_param", clean_module_path(src),
+                                  reshard_after_forward=bool(getattr(example, "_dpcompile_reshard_after_forward", False))))
         elif "_buffers[" in src:
             out.append(GraphInput(i, "buffer", clean_module_path(src)))
         elif src.startswith("L["):
@@ -168,13 +170,15 @@ class DPPartitioner(CustomPartitionerFn):
                 grad_pos[idx] = j
         if not grad_pos:  # older layout: one gradient per primal after the forward outputs
             grad_pos = {i: num_fwd_outputs + i for i in range(len(primals))}
-        params, data = [], {}
+        params, data, reshard = [], {}, set()
         inputs = self.record.inputs
         noise_index = 0
         for gi in inputs:
             node = by_index.get(gi.index)
             if node is None:
                 continue
+            if gi.reshard_after_forward:
+                reshard.add(node)
             if gi.kind == "param":
                 j = grad_pos.get(gi.index)
                 if j is None or out.args[0][j] is None:
@@ -188,7 +192,7 @@ class DPPartitioner(CustomPartitionerFn):
         ctx = DPPassContext(
             config=cfg, params=params, data_inputs=data,
             seeds_input_index=placeholders.index(seeds_node) if seeds_node is not None else None,
-            num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id,
+            num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id, reshard_primals=reshard,
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         self.backend._n_noise = max(self.backend._n_noise, noise_index)

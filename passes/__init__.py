@@ -16,6 +16,7 @@ from .batch_dims import batch_dim_analysis_pass
 from .cleanup import cleanup_pass
 from .clip_schedule import clip_schedule_pass
 from .context import DPPassContext, ParamInfo
+from .fsdp_reshard import fsdp_reshard_pass
 from .loss_reduction import loss_reduction_pass
 from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
@@ -37,6 +38,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("clip_schedule", clip_schedule_pass),
     Pass("gaussian_noise", gaussian_noise_pass),
     Pass("cleanup", cleanup_pass, optional=True),
+    Pass("fsdp_reshard", fsdp_reshard_pass, optional=True),
 )
 
 

@@ -151,6 +151,12 @@ class BatchDimAnalysis:
                 )
         ctx.batch_size = self.B
         ctx.whole_gradient_mode = known(self.B == 1)
+        ctx.empty_batch = known(self.B == 0)
+        if ctx.empty_batch:
+            # no samples on this rank this step: its gradient is exactly zero
+            # (later passes); there is nothing per-sample to analyse
+            self.tdep = {n for n in self.gm.graph.nodes if n.name.startswith("tangents")}
+            return
 
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":

@@ -4,14 +4,35 @@ from __future__ import annotations
 import torch.fx as fx
 import heapq
 
+import torch
+
 from .context import DPPassContext
+
+
+_C10D = torch.ops._c10d_functional
+_COLLECTIVES = {
+    _C10D.wait_tensor.default, _C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default,
+    _C10D.all_gather_into_tensor.default,
+}
 
 
 def cleanup_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Drops the contractions the rewrite made dead (e.g. the ghost first pass's)."""
     before = len(gm.graph.nodes)
     gm.graph.eliminate_dead_code()
+    # FX keeps functional collectives whose results nobody reads (wait_tensor
+    # counts as side-effecting); the ghost schedule's first backward leaves its
+    # reduce-scatters unread. Every rank rewrites the same graph, so every rank
+    # drops the same collectives.
+    removed = 0
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and node.target in _COLLECTIVES and not node.users:
+            gm.graph.erase_node(node)
+            removed += node.target is not _C10D.wait_tensor.default
+    gm.graph.eliminate_dead_code()
     ctx.counters["dead_nodes_removed"] += before - len(gm.graph.nodes)
+    if removed:
+        ctx.counters["unused_collectives_removed"] += removed
     return gm
 
 

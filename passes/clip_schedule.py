@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.errors import DPCompileError
-from dpcompile.fx_utils import GraphBuilder, module_of, op_name
+from dpcompile.fx_utils import GraphBuilder, known, module_of, op_name
 
 from .batch_dims import FREE, Batched, Contribution
 from .context import DPPassContext
@@ -64,13 +64,21 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node, B: Any) ->
     return b.call(node.target, *args, **node.kwargs)
 
 
-def _deferred_bytes(c: Contribution) -> int:
+def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
+    """Bytes the deferred operand holds at the expected batch size.
+
+    Counted per sample and scaled by expected_batch_size, never from this
+    rank's sampled B: every rank must take the same decisions (and so issue
+    the same collectives in the same order) whatever its batch size.
+    """
     op = c.node.args[c.scaled_operand] if c.kind in ("mm", "sum", "embedding_backward") else c.extra["values"]
     v = op.meta["val"]
+    B = ctx.batch_size
     try:
-        return int(v.numel()) * v.element_size()
+        per_sample = int(v.numel() // B) if not known(B == 0) else 0
     except TypeError:
         return 1 << 62
+    return per_sample * (ctx.config.expected_batch_size or 1) * v.element_size()
 
 
 def choose_deferred(ctx: DPPassContext) -> set[Contribution]:
@@ -86,7 +94,7 @@ def choose_deferred(ctx: DPPassContext) -> set[Contribution]:
     budget = ctx.config.memory_budget
     chosen, used = set(), 0
     for c in sorted(contribs, key=lambda c: -order.get(c.node, 0)):
-        nbytes = _deferred_bytes(c)
+        nbytes = _deferred_bytes(c, ctx)
         if used + nbytes <= budget:
             chosen.add(c)
             used += nbytes
@@ -104,9 +112,24 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     graph = gm.graph
     out = graph.find_nodes(op="output")[0]
     r = ctx.scale_rows
+    b = GraphBuilder(graph)
+    if ctx.empty_batch:
+        # nothing sampled here: this rank's share of every gradient sum is 0
+        # (written as zeros, not computed: a mean over 0 samples is NaN)
+        with graph.inserting_before(out):
+            for pg in ctx.decompositions.values():
+                g = pg.local
+                v = g.meta["val"]
+                zeros = b.call(aten.full.default, list(v.shape), 0.0, dtype=v.dtype, device=v.device)
+                if pg.local_grad is None:
+                    _replace_output(out, pg.param.grad_output_index, zeros)
+                else:
+                    g.replace_all_uses_with(zeros, delete_user_cb=lambda u, z=zeros: u is not z)
+                ctx.counters["empty_batch_zero_grads"] += 1
+        ctx.summary.setdefault("schedule", {})["used"] = "no samples on this rank: zero gradient"
+        return gm
     if r is None:
         return gm
-    b = GraphBuilder(graph)
     B = ctx.batch_size
     sched_report = ctx.summary.setdefault("schedule", {"requested": ctx.config.schedule})
 

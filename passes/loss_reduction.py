@@ -22,6 +22,26 @@ PER_SAMPLE_LOSS_HELP = (
 )
 
 
+def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> None:
+    """B == 0: only the reduction kind matters (for the noise scale k); found by
+    walking back from the loss through single-input ops to the first sum/mean,
+    the node the per-sample analysis finds on ranks that have samples."""
+    kind, node = "sum", loss
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet in (aten.mean, aten.sum):
+            kind = "mean" if packet is aten.mean else "sum"
+            break
+        ins = node.all_input_nodes
+        node = ins[0] if len(ins) == 1 else None
+    if kind == "mean" and ctx.config.expected_batch_size is None:
+        raise DPValueError("dp_fsdp: the loss is a mean over the batch, so the option expected_batch_size is needed")
+    k = 1.0 / ctx.config.expected_batch_size if kind == "mean" else 1.0
+    ctx.loss = LossInfo(loss, tangent, kind, 0, k)
+    ctx.summary["loss"] = {"reduction": kind, "k": k, "batch_size": "0 (no samples on this rank)"}
+    return None
+
+
 def loss_not_per_sample(origin: fx.Node, why: str) -> DPCompileError:
     return DPCompileError(
         f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
@@ -63,6 +83,9 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         # fall back on position: tangents follow the order of the outputs that need them
         idx = [i for i, o in enumerate(fwd_outs) if isinstance(o, fx.Node) and o.meta["val"].requires_grad][0]
     loss = fwd_outs[idx]
+    if ctx.empty_batch:
+        _empty_batch_loss(ctx, loss, tangent)
+        return gm
     st = ctx.states.get(loss, FREE)
     if isinstance(st, Mixed):
         raise loss_not_per_sample(st.origin, st.why)

@@ -197,7 +197,7 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
         g = outs[p.grad_output_index]
         if g is None:
             continue
-        if ctx.whole_gradient_mode:
+        if ctx.whole_gradient_mode or ctx.empty_batch:
             ctx.decompositions[p.name] = ParamGrad(p, g, [], True, local_gradient(g))
             continue
         terms, simple = decompose(g, ctx, p)
@@ -209,7 +209,7 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
     # every contribution must end in a parameter gradient: one that feeds
     # anything else (an input gradient, say) cannot be scaled per sample safely
     used = {id(c) for pg in ctx.decompositions.values() for c, _ in pg.terms}
-    for n, c in ([] if ctx.whole_gradient_mode else ctx.contributions.items()):
+    for n, c in ([] if ctx.whole_gradient_mode or ctx.empty_batch else ctx.contributions.items()):
         if id(c) not in used:
             raise DPCompileError(
                 f"dp_fsdp: op {op_name(n)} in module {module_of(n)} sums per-sample gradients over the batch "

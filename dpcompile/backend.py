@@ -35,6 +35,7 @@ class GraphInput:
     name: str
     batch_dim: int | None = None
     reshard_after_forward: bool = False  # a fully_shard parameter to gather again in the backward
+    sharded: bool = False  # a DTensor parameter (fully_shard)
 
 
 @dataclasses.dataclass
@@ -67,6 +68,12 @@ def _arg_name(source: str) -> str:
         ".".join(p.strip("'\"") for p in source[1:].replace("][", "|").strip("[]").split("|"))
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> list[GraphInput]:
     out = []
     for i, (node, ex) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
@@ -78,7 +85,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
             out.append(GraphInput(i, "symint", src or node.name))
         elif isinstance(example, nn.Parameter):
             out.append(GraphInput(i, "param" if example.requires_grad else "frozen_param", clean_module_path(src),
-                                  reshard_after_forward=bool(getattr(example, "_dpcompile_reshard_after_forward", False))))
+                                  reshard_after_forward=bool(getattr(example, "_dpcompile_reshard_after_forward", False)),
+                                  sharded=_is_dtensor(example)))
         elif "_buffers[" in src:
             out.append(GraphInput(i, "buffer", clean_module_path(src)))
         elif src.startswith("L["):
@@ -87,6 +95,28 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
         else:
             out.append(GraphInput(i, "constant", clean_module_path(src) if src else node.name))
     return out
+
+
+def check_sharding(inputs: list[GraphInput], example_inputs) -> None:
+    """All trainable parameters sharded by fully_shard on one mesh, or none."""
+    from torch.distributed.tensor import DTensor
+
+    params = [(gi, ex) for gi, ex in zip(inputs, example_inputs) if gi.kind == "param"]
+    sharded = [(gi, ex) for gi, ex in params if isinstance(ex, DTensor)]
+    if not sharded:
+        return
+    plain = [gi.name for gi, ex in params if not isinstance(ex, DTensor)]
+    if plain:
+        raise DPValueError(
+            f"dp_fsdp: parameters {plain[:8]}{' ...' if len(plain) > 8 else ''} are not sharded while others are; "
+            f"apply dpcompile.fully_shard to every block and then to the root module (it shards whatever "
+            f"parameters are left), so each gradient is reduced across ranks exactly once"
+        )
+    meshes = {id(ex.device_mesh): (gi.name, ex.device_mesh) for gi, ex in sharded}
+    if len(meshes) > 1:
+        desc = "; ".join(f"{name} on {mesh}" for name, mesh in meshes.values())
+        raise DPValueError(f"dp_fsdp: parameters live on different device meshes ({desc}); shard all of them "
+                           f"with fully_shard(..., mesh=<one mesh>)")
 
 
 class DPPartitioner(CustomPartitionerFn):
@@ -129,7 +159,11 @@ class DPPartitioner(CustomPartitionerFn):
             "removed": removed,
         }
         self.record.counters = dict(ctx.counters)
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        # No CSE in the partitioner: it would merge identical collectives (a rank
+        # with no samples has many identical zero gradients), and every rank
+        # must issue the same collectives.
+        with torch._functorch.config.patch(cse=False):
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         self._dump("forward", fw)
         self._dump("backward", bw)
         self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))
@@ -193,6 +227,7 @@ class DPPartitioner(CustomPartitionerFn):
             config=cfg, params=params, data_inputs=data,
             seeds_input_index=placeholders.index(seeds_node) if seeds_node is not None else None,
             num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id, reshard_primals=reshard,
+            sharded=any(gi.sharded for gi in inputs),
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         self.backend._n_noise = max(self.backend._n_noise, noise_index)
@@ -284,6 +319,7 @@ class DPBackend:
         cid = CompileContext.current_compile_id()
         compile_id = str(cid) if cid is not None else str(len(self.compiled))
         inputs = classify_inputs(gm, example_inputs, self.config)
+        check_sharding(inputs, example_inputs)
         record = CompiledStep(compile_id, inputs)
         self.compiled.append(record)
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())

@@ -15,6 +15,7 @@ import torch.fx as fx
 from .batch_dims import batch_dim_analysis_pass
 from .cleanup import cleanup_pass
 from .clip_schedule import clip_schedule_pass
+from .collective_order import collective_order_pass
 from .context import DPPassContext, ParamInfo
 from .fsdp_reshard import fsdp_reshard_pass
 from .loss_reduction import loss_reduction_pass
@@ -39,6 +40,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("gaussian_noise", gaussian_noise_pass),
     Pass("cleanup", cleanup_pass, optional=True),
     Pass("fsdp_reshard", fsdp_reshard_pass, optional=True),
+    Pass("collective_order", collective_order_pass),
 )
 
 

@@ -150,11 +150,21 @@ class BatchDimAnalysis:
                     f"batch_dim={{'{name}': None}} (or the right dim) in the dp_fsdp options"
                 )
         ctx.batch_size = self.B
+        if ctx.sharded and (known(self.B == 0) or known(self.B == 1)):
+            # dynamo specialises sizes 0 and 1, and such a graph issues other
+            # collectives than the other ranks' (they would hang)
+            raise DPValueError(
+                f"dp_fsdp: this rank has {self.B} sample(s) in a sharded step; ranks with 0 or 1 samples are not "
+                f"supported yet under fully_shard (their compiled graph would issue different collectives than "
+                f"the other ranks'). Give every rank at least 2 samples per step."
+            )
         ctx.whole_gradient_mode = known(self.B == 1)
         ctx.empty_batch = known(self.B == 0)
         if ctx.empty_batch:
-            # no samples on this rank this step: its gradient is exactly zero
-            # (later passes); there is nothing per-sample to analyse
+            # no samples on this rank this step: every per-sample tensor is
+            # empty and the gradient is exactly zero; like B == 1 it is handled
+            # whole (the same collectives as the other ranks, scaled by r = 0)
+            ctx.whole_gradient_mode = True
             self.tdep = {n for n in self.gm.graph.nodes if n.name.startswith("tangents")}
             return
 

@@ -44,23 +44,29 @@ def finalize(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def stable_topological_sort(graph: fx.Graph) -> None:
+def stable_topological_sort(graph: fx.Graph, after: dict | None = None) -> None:
     """Reorders nodes so every node follows its inputs, moving as little as possible.
 
     Kahn's algorithm with the current position as priority: nodes already in
     a valid order stay put; a node placed before one of its inputs (the
     passes append rebuilt nodes at the end) moves down just past it.
+    ``after`` adds ordering edges that are not data dependencies.
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
+    after = after or {}  # extra ordering edges: node -> nodes that must come before it
+    users = {n: list(n.users) for n in nodes}
+    for n, befores in after.items():
+        for b in befores:
+            users[b].append(n)
+    indeg = {n: len(set(n.all_input_nodes)) + len(after.get(n, ())) for n in nodes}
     ready = [pos[n] for n in nodes if indeg[n] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         n = nodes[heapq.heappop(ready)]
         order.append(n)
-        for u in n.users:
+        for u in users[n]:
             indeg[u] -= 1
             if indeg[u] == 0:
                 heapq.heappush(ready, pos[u])

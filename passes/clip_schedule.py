@@ -113,21 +113,6 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     out = graph.find_nodes(op="output")[0]
     r = ctx.scale_rows
     b = GraphBuilder(graph)
-    if ctx.empty_batch:
-        # nothing sampled here: this rank's share of every gradient sum is 0
-        # (written as zeros, not computed: a mean over 0 samples is NaN)
-        with graph.inserting_before(out):
-            for pg in ctx.decompositions.values():
-                g = pg.local
-                v = g.meta["val"]
-                zeros = b.call(aten.full.default, list(v.shape), 0.0, dtype=v.dtype, device=v.device)
-                if pg.local_grad is None:
-                    _replace_output(out, pg.param.grad_output_index, zeros)
-                else:
-                    g.replace_all_uses_with(zeros, delete_user_cb=lambda u, z=zeros: u is not z)
-                ctx.counters["empty_batch_zero_grads"] += 1
-        ctx.summary.setdefault("schedule", {})["used"] = "no samples on this rank: zero gradient"
-        return gm
     if r is None:
         return gm
     B = ctx.batch_size

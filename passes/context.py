@@ -28,6 +28,7 @@ class DPPassContext:
     seeds_input_index: int | None  # primal index of the noise seeds input
     num_fwd_outputs: int
     compile_id: str = "0"
+    sharded: bool = False  # parameters are fully_shard DTensors: collectives in the graph
     reshard_primals: set = dataclasses.field(default_factory=set)  # params gathered again in the backward
     rank: int = 0
     # filled by the passes -------------------------------------------------

@@ -37,7 +37,7 @@ def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> No
     if kind == "mean" and ctx.config.expected_batch_size is None:
         raise DPValueError("dp_fsdp: the loss is a mean over the batch, so the option expected_batch_size is needed")
     k = 1.0 / ctx.config.expected_batch_size if kind == "mean" else 1.0
-    ctx.loss = LossInfo(loss, tangent, kind, 0, k)
+    ctx.loss = LossInfo(loss, tangent, kind, 0 if kind == "mean" else 1, k)
     ctx.summary["loss"] = {"reduction": kind, "k": k, "batch_size": "0 (no samples on this rank)"}
     return None
 

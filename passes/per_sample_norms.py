@@ -280,11 +280,6 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
     out = graph.find_nodes(op="output")[0]
     per_param: list[fx.Node] = []
     report = ctx.summary.setdefault("params", {})
-    if ctx.empty_batch:
-        for name, pg in ctx.decompositions.items():
-            report[name] = {"shape": list(pg.param.primal.meta["val"].shape),
-                            "decomposition": "no samples on this rank: zero gradient"}
-        return gm
     for name, pg in ctx.decompositions.items():
         entry = report.setdefault(name, {"shape": list(pg.param.primal.meta["val"].shape)})
         if ctx.whole_gradient_mode:

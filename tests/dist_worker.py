@@ -36,7 +36,7 @@ def shard(model, mesh, reshard_after_forward=True):
     return model
 
 
-def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward):
+def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward, out_dir=None):
     mesh = _init(rank, world, init_file)
     model, loss_fn, vocab = make(case)
     ref_model = copy.deepcopy(model)
@@ -64,4 +64,96 @@ def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_for
         full = p.grad.full_tensor()
         torch.testing.assert_close(full.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     rec = [r for r in backend.compiled if r.dp][0]
-    return rec.counters, rec.ops
+    counts = {
+        phase: {kind: sum(kind in op for op, _ in rec.ops[phase]) for kind in ("reduce_scatter", "all_gather")}
+        for phase in ("forward", "backward")
+    }
+    n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    if out_dir:
+        import json
+
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"counts": counts, "n_params": n_params, "counters": rec.counters}, f)
+    dist.destroy_process_group()
+
+
+def noise(rank, world, init_file, out_dir, seed):
+    """Noiseless and noisy steps on identical data; saves this rank's noise draws (full gradients)."""
+    mesh = _init(rank, world, init_file)
+    model, loss_fn, vocab = make("gpt")
+    shard(model, mesh)
+    ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(rank))
+
+    def run(sigma, steps):
+        backend = dpcompile.DPBackend(max_grad_norm=0.5, noise_multiplier=sigma, expected_batch_size=4, seed=seed)
+
+        def step(x, y):
+            loss = loss_fn(model(x), y).mean()
+            loss.backward()
+            return loss.detach()
+
+        compiled = torch.compile(step, backend=backend)
+        outs = []
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            compiled(ids, ids)
+            outs.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
+            # this rank's own shard, to compare draws across ranks
+        local = torch.cat([p.grad.to_local().flatten() for p in model.parameters()])
+        return torch.stack(outs), local
+
+    clean, clean_local = run(0.0, 1)
+    torch._dynamo.reset()
+    noisy, noisy_local = run(2.0, 30)
+    torch.save({"z": noisy - clean, "local": noisy_local - clean_local}, os.path.join(out_dir, f"noise{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def bad_inputs(rank, world, init_file, out_dir):
+    """Partly sharded models and mixed meshes are refused with a clear error."""
+    import json
+
+    mesh = _init(rank, world, init_file)
+    results = {}
+    model, loss_fn, vocab = make("gpt")
+    dpcompile.fully_shard(model.blocks[0], mesh=mesh)  # root and blocks[1] left unsharded
+    ids = torch.randint(0, vocab, (2, 6))
+    backend = dpcompile.DPBackend(max_grad_norm=0.5, noise_multiplier=0.0, expected_batch_size=4)
+
+    def step(x, y):
+        loss = loss_fn(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    try:
+        torch.compile(step, backend=backend)(ids, ids)
+        results["partial"] = "no error"
+    except ValueError as e:
+        results["partial"] = str(e)
+    with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def tiny_batch(rank, world, init_file, out_dir):
+    import json
+
+    mesh = _init(rank, world, init_file)
+    model, loss_fn, vocab = make("gpt")
+    shard(model, mesh)
+    backend = dpcompile.DPBackend(max_grad_norm=0.5, noise_multiplier=0.0, expected_batch_size=4)
+
+    def step(x, y):
+        loss = loss_fn(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    ids = torch.randint(0, vocab, (1, 6))
+    try:
+        torch.compile(step, backend=backend)(ids, ids)
+        err = "no error"
+    except ValueError as e:
+        err = str(e)
+    with open(os.path.join(out_dir, f"tiny{rank}.json"), "w") as f:
+        json.dump({"error": err}, f)
+    dist.destroy_process_group()

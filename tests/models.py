@@ -183,8 +183,7 @@ class LlamaLM(nn.Module):
 
 def seq_ce(logits, y):
     """Per-sample loss of a sequence model: token cross-entropy averaged within each sample."""
-    B = y.shape[0]
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(B, -1).mean(1)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
 
 def ce(logits, y):

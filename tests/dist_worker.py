@@ -157,3 +157,51 @@ def tiny_batch(rank, world, init_file, out_dir):
     with open(os.path.join(out_dir, f"tiny{rank}.json"), "w") as f:
         json.dump({"error": err}, f)
     dist.destroy_process_group()
+
+
+def correctness_nccl_bf16(rank, world, init_file, out_dir):
+    """2 GPUs, NCCL, bf16 compute with fp32 parameters and reduction, against the fp32/fp64 reference."""
+    import json
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    mesh = init_device_mesh("cuda", (world,))
+    results = {}
+    for case in ("gpt", "llama"):
+        for schedule in ("bk", "ghost"):
+            torch._dynamo.reset()
+            model, loss_fn, vocab = make(case)
+            ref_model = copy.deepcopy(model)
+            sizes = [3, 2]
+            ids = torch.randint(0, vocab, (sum(sizes), 6), generator=torch.Generator().manual_seed(1))
+            _, norms = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=5)
+            C = float(norms.median())
+            ref, _ = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=6)
+            model = model.cuda()
+            mp = dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for b in (getattr(model, "blocks", None) or [model.block]):
+                dpcompile.fully_shard(b, mesh=mesh, mp_policy=mp)
+            dpcompile.fully_shard(model, mesh=mesh, mp_policy=mp)
+            backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=6,
+                                          schedule=schedule)
+
+            def step(x, y):
+                loss = loss_fn(model(x).float(), y).mean()
+                loss.backward()
+                return loss.detach()
+
+            local = ids[sum(sizes[:rank]): sum(sizes[: rank + 1])].cuda()
+            torch.compile(step, backend=backend)(local, local)
+            worst = 0.0
+            for name, p in model.named_parameters():
+                full = p.grad.full_tensor().double().cpu()
+                assert p.grad.dtype == torch.float32, (name, p.grad.dtype)
+                scale = ref[name].abs().max().item() + 1e-12
+                err = (full - ref[name]).abs().max().item() / scale
+                worst = max(worst, err)
+                assert err < 0.05, (case, schedule, name, err)
+            results[f"{case}-{schedule}"] = worst
+    if rank == 0:
+        with open(os.path.join(out_dir, "nccl_bf16.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()

@@ -77,3 +77,11 @@ def test_partially_sharded_model_is_refused(tmp_path):
     spawn(dist_worker.bad_inputs, str(tmp_path))
     for rep in _read(tmp_path, prefix="bad"):
         assert "not sharded" in rep["partial"] and "fully_shard" in rep["partial"], rep
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_nccl_bf16_against_fp32_reference(tmp_path):
+    spawn(dist_worker.correctness_nccl_bf16, str(tmp_path))
+    worst = json.load(open(os.path.join(tmp_path, "nccl_bf16.json")))
+    assert set(worst) == {"gpt-bk", "gpt-ghost", "llama-bk", "llama-ghost"}
+    assert max(worst.values()) < 0.05, worst

@@ -781,8 +781,8 @@ def _attention(an, node):
     """Fused SDPA forward/backward: leading dims are batch dims of every tensor."""
     found = None
     for a, s in an.tensor_args(node):
-        if not isinstance(s, Batched):
-            continue
+        if not isinstance(s, Batched) or not a.meta["val"].dtype.is_floating_point:
+            continue  # integer inputs are RNG state / sequence offsets
         if s.dim is None:
             found = found or SINGLE
             continue
@@ -796,12 +796,10 @@ def _attention(an, node):
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     res = []
     for o in outs:
-        if not isinstance(o, torch.Tensor) or found is None:
-            res.append(FREE)
+        if not isinstance(o, torch.Tensor) or found is None or not o.dtype.is_floating_point:
+            res.append(FREE)  # RNG seed / offset / cumulative-length outputs
         elif found.dim is None or (o.dim() > found.dim and known(o.shape[found.dim] == found.outer * an.B * found.inner)):
             res.append(found)
-        elif not o.dtype.is_floating_point:
-            res.append(FREE)  # RNG seed / offset outputs
         else:
             # e.g. the gradient of a bias broadcast over the batch, summed
             # inside the fused kernel: not something we can decompose

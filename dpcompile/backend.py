@@ -320,6 +320,7 @@ class DPBackend:
         compile_id = str(cid) if cid is not None else str(len(self.compiled))
         inputs = classify_inputs(gm, example_inputs, self.config)
         check_sharding(inputs, example_inputs)
+        self.noise.rank = _noise_rank(example_inputs)
         record = CompiledStep(compile_id, inputs)
         self.compiled.append(record)
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())
@@ -375,6 +376,21 @@ def _with_seeds_input(gm: fx.GraphModule, seeds_example: torch.Tensor) -> fx.Gra
     ph._dynamo_source = None  # not a user input
     new.recompile()
     return new
+
+
+def _noise_rank(example_inputs) -> int:
+    """Which stream this rank's noise comes from: the index of the shard it owns.
+
+    Under pure sharding that is the rank. With a 2-D (hybrid) mesh, replicas
+    of a shard must draw the same noise (each coordinate gets one draw and the
+    replicas stay equal), so the stream is the rank within the shard dim.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for ex in example_inputs:
+        if isinstance(ex, DTensor):
+            return ex.device_mesh.get_local_rank(mesh_dim=ex.device_mesh.ndim - 1)
+    return _rank()
 
 
 def _rank() -> int:

@@ -230,7 +230,6 @@ class DPPartitioner(CustomPartitionerFn):
             sharded=any(gi.sharded for gi in inputs),
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
-        self.backend._n_noise = max(self.backend._n_noise, noise_index)
         return ctx
 
 
@@ -281,9 +280,7 @@ class DPBackend:
         self.config = config
         self.compiled: list[CompiledStep] = []
         self.noise = NoiseSeeds(config.seed)
-        self._n_noise = 0
         self.calls = 0  # DP graph executions, checked by private_step
-        self._lock = threading.Lock()
 
     # noise stream state, for checkpoints
     def state_dict(self) -> dict[str, Any]:

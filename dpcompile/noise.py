@@ -32,7 +32,6 @@ def _signed(x: int) -> int:
 class NoiseSeeds:
     def __init__(self, seed: int | None, rank: int = 0):
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
-        self.explicit_seed = seed is not None
         self.rank = rank
         self.step = 0
         self._lock = threading.Lock()
@@ -59,4 +58,3 @@ class NoiseSeeds:
             if k not in state:
                 raise ValueError(f"dpcompile noise state is missing {k!r}; pass what DPBackend.state_dict() returned")
         self.seed, self.step = int(state["seed"]), int(state["step"])
-        self.explicit_seed = True

@@ -171,6 +171,7 @@ class DPPartitioner(CustomPartitionerFn):
         ctx.summary["graph_ops"] = {
             "forward": _op_counts(fw), "backward": _op_counts(bw),
         }
+        ctx.summary["collectives"] = _collectives_by_phase(fw, bw, ctx)
         ctx.summary["compile_id"] = self.record.compile_id
         ctx.summary["rank"] = 0
         ctx.summary["batch_size"] = str(ctx.batch_size)
@@ -231,6 +232,34 @@ class DPPartitioner(CustomPartitionerFn):
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx
+
+
+_COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gathers", "reduce_scatter_tensor": "reduce_scatters",
+                     "all_reduce": "all_reduces"}
+
+
+def _collectives_by_phase(fw: fx.GraphModule, bw: fx.GraphModule, ctx) -> dict[str, dict[str, int]]:
+    """Collectives per phase: forward, backward before the clip coefficients
+    exist (the ghost first backward / bk's input-gradient chain), and after."""
+    clip = ctx.clip_coef.name if ctx.clip_coef is not None else None
+    phases = {"forward": {}, "backward_before_clip": {}, "backward_after_clip": {}}
+
+    def count(gm, phase_of):
+        phase = phase_of(None)
+        for n in gm.graph.nodes:
+            phase = phase_of(n) or phase
+            if n.op != "call_function":
+                continue
+            name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+            kind = _COLLECTIVE_KINDS.get(name)
+            if kind:
+                phases[phase][kind] = phases[phase].get(kind, 0) + 1
+
+    count(fw, lambda n: "forward")
+    count(bw, lambda n: "backward_after_clip" if n is not None and n.name == clip else
+          (None if n is not None else "backward_before_clip"))
+    phases["removed_from_backward"] = {"reduce_scatters": ctx.counters.get("unused_collectives_removed", 0)}
+    return phases
 
 
 def _input_index(desc) -> int | None:

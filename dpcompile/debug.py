@@ -68,7 +68,7 @@ class GraphDumper:
 
 def format_summary(s: dict[str, Any]) -> str:
     lines = ["dpcompile summary", "=" * 17]
-    for key in ("compile_id", "rank", "batch_size", "loss", "schedule", "noise", "rewrite", "counters", "graph_ops"):
+    for key in ("compile_id", "rank", "batch_size", "loss", "schedule", "noise", "collectives", "rewrite", "counters", "graph_ops"):
         if key in s:
             lines.append(f"{key}: {json.dumps(s[key], default=str)}")
     lines.append("")

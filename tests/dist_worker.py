@@ -73,7 +73,8 @@ def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_for
         import json
 
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"counts": counts, "n_params": n_params, "counters": rec.counters}, f)
+            json.dump({"counts": counts, "n_params": n_params, "counters": rec.counters,
+                       "summary_collectives": rec.summary["collectives"]}, f)
     dist.destroy_process_group()
 
 

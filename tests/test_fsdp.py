@@ -38,8 +38,12 @@ def test_two_ranks_match_single_process_reference(case, schedule, tmp_path):
         assert counts["forward"]["reduce_scatter"] == 0
         assert counts["forward"]["all_gather"] == n
         assert 0 < counts["backward"]["all_gather"] <= n  # reshard_after_forward: gathered again
+        phases = rep["summary_collectives"]  # what the dump summary reports
+        assert phases["backward_before_clip"].get("reduce_scatters", 0) == 0  # none before the clip
+        assert phases["backward_after_clip"]["reduce_scatters"] == n
         if schedule == "ghost":
             assert rep["counters"]["unused_collectives_removed"] == n
+            assert phases["removed_from_backward"]["reduce_scatters"] == n
 
 
 def test_reshard_after_forward_false_keeps_gathered_params(tmp_path):

@@ -13,10 +13,10 @@ import models as M
 from reference import dp_reference
 
 
-def _init(rank, world, init_file):
+def _init(rank, world, init_file, mesh_shape=None):
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", tuple(mesh_shape or (world,)))
 
 
 def make(case):
@@ -36,8 +36,9 @@ def shard(model, mesh, reshard_after_forward=True):
     return model
 
 
-def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward, out_dir=None):
-    mesh = _init(rank, world, init_file)
+def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward, out_dir=None,
+                mesh_shape=None):
+    mesh = _init(rank, world, init_file, mesh_shape)
     model, loss_fn, vocab = make(case)
     ref_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)

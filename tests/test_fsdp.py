@@ -100,3 +100,10 @@ def test_two_gpus_nccl_bf16_against_fp32_reference(tmp_path):
     worst = json.load(open(os.path.join(tmp_path, "nccl_bf16.json")))
     assert set(worst) == {"gpt-bk", "gpt-ghost", "llama-bk", "llama-ghost"}
     assert max(worst.values()) < 0.05, worst
+
+
+def test_hybrid_sharding_2x2_mesh(tmp_path):
+    """4 ranks: replicate across mesh dim 0, shard within dim 1; exact against the reference."""
+    spawn(dist_worker.correctness, "gpt", "bk", [2, 3, 2, 2], True, str(tmp_path), (2, 2), world=4)
+    for rep in _read(tmp_path, world=4):
+        assert rep["counts"]["backward"]["reduce_scatter"] == rep["n_params"]

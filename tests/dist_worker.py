@@ -133,6 +133,18 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["partial"] = "no error"
     except ValueError as e:
         results["partial"] = str(e)
+    # blocks on one mesh, the root on another
+    torch._dynamo.reset()
+    model, loss_fn, vocab = make("gpt")
+    other = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        dpcompile.fully_shard(b, mesh=mesh)
+    dpcompile.fully_shard(model, mesh=other)
+    try:
+        torch.compile(step, backend=backend)(ids, ids)
+        results["two_meshes"] = "no error"
+    except ValueError as e:
+        results["two_meshes"] = str(e)
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

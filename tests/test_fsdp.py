@@ -81,10 +81,11 @@ def test_noise_on_shards_two_ranks(tmp_path):
     assert abs(r) < 4.5 / a.numel() ** 0.5, r
 
 
-def test_partially_sharded_model_is_refused(tmp_path):
+def test_partially_sharded_or_two_mesh_model_is_refused(tmp_path):
     spawn(dist_worker.bad_inputs, str(tmp_path))
     for rep in _read(tmp_path, prefix="bad"):
         assert "not sharded" in rep["partial"] and "fully_shard" in rep["partial"], rep
+        assert "different device meshes" in rep["two_meshes"], rep
 
 
 def test_distributed_checkpoint_resume_matches_uninterrupted_run(tmp_path):

@@ -99,13 +99,11 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
 
 def check_sharding(inputs: list[GraphInput], example_inputs) -> None:
     """All trainable parameters sharded by fully_shard on one mesh, or none."""
-    from torch.distributed.tensor import DTensor
-
     params = [(gi, ex) for gi, ex in zip(inputs, example_inputs) if gi.kind == "param"]
-    sharded = [(gi, ex) for gi, ex in params if isinstance(ex, DTensor)]
+    sharded = [(gi, ex) for gi, ex in params if gi.sharded]
     if not sharded:
         return
-    plain = [gi.name for gi, ex in params if not isinstance(ex, DTensor)]
+    plain = [gi.name for gi, _ in params if not gi.sharded]
     if plain:
         raise DPValueError(
             f"dp_fsdp: parameters {plain[:8]}{' ...' if len(plain) > 8 else ''} are not sharded while others are; "
@@ -173,7 +171,7 @@ class DPPartitioner(CustomPartitionerFn):
         }
         ctx.summary["collectives"] = _collectives_by_phase(fw, bw, ctx)
         ctx.summary["compile_id"] = self.record.compile_id
-        ctx.summary["rank"] = 0
+        ctx.summary["rank"] = _rank()
         ctx.summary["batch_size"] = str(ctx.batch_size)
         self.record.summary = ctx.summary
         self.dumper.dump_summary(ctx.summary)
@@ -244,20 +242,17 @@ def _collectives_by_phase(fw: fx.GraphModule, bw: fx.GraphModule, ctx) -> dict[s
     clip = ctx.clip_coef.name if ctx.clip_coef is not None else None
     phases = {"forward": {}, "backward_before_clip": {}, "backward_after_clip": {}}
 
-    def count(gm, phase_of):
-        phase = phase_of(None)
+    def count(gm, phase):
         for n in gm.graph.nodes:
-            phase = phase_of(n) or phase
-            if n.op != "call_function":
-                continue
-            name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-            kind = _COLLECTIVE_KINDS.get(name)
+            if phase == "backward_before_clip" and n.name == clip:
+                phase = "backward_after_clip"
+            kind = _COLLECTIVE_KINDS.get(getattr(n.target, "__name__", "").split(".")[0]) \
+                if n.op == "call_function" else None
             if kind:
                 phases[phase][kind] = phases[phase].get(kind, 0) + 1
 
-    count(fw, lambda n: "forward")
-    count(bw, lambda n: "backward_after_clip" if n is not None and n.name == clip else
-          (None if n is not None else "backward_before_clip"))
+    count(fw, "forward")
+    count(bw, "backward_before_clip")
     phases["removed_from_backward"] = {"reduce_scatters": ctx.counters.get("unused_collectives_removed", 0)}
     return phases
 
@@ -411,10 +406,8 @@ def _noise_rank(example_inputs) -> int:
     of a shard must draw the same noise (each coordinate gets one draw and the
     replicas stay equal), so the stream is the rank within the shard dim.
     """
-    from torch.distributed.tensor import DTensor
-
     for ex in example_inputs:
-        if isinstance(ex, DTensor):
+        if _is_dtensor(ex):
             return ex.device_mesh.get_local_rank(mesh_dim=ex.device_mesh.ndim - 1)
     return _rank()
 

@@ -161,9 +161,9 @@ class BatchDimAnalysis:
         ctx.whole_gradient_mode = known(self.B == 1)
         ctx.empty_batch = known(self.B == 0)
         if ctx.empty_batch:
-            # no samples on this rank this step: every per-sample tensor is
-            # empty and the gradient is exactly zero; like B == 1 it is handled
-            # whole (the same collectives as the other ranks, scaled by r = 0)
+            # no samples this step (unsharded only; refused above under
+            # fully_shard): every per-sample tensor is empty and the gradient
+            # is exactly zero; like B == 1 it is handled whole, scaled by r = 0
             ctx.whole_gradient_mode = True
             self.tdep = {n for n in self.gm.graph.nodes if n.name.startswith("tangents")}
             return
@@ -303,14 +303,18 @@ def is_zero_constant(a: Any) -> bool:
     return False
 
 
-def _is_masking(an: "BatchDimAnalysis", node: fx.Node) -> bool:
-    """where(cond, x, 0) / where(cond, 0, x) with a sample-free cond: linear in x."""
-    cond, a, b = node.args[:3]
-    if an.st(cond) is not FREE:
-        return False
+def masked_operand(node: fx.Node) -> fx.Node | None:
+    """x of where(cond, x, 0) / where(cond, 0, x) when it keeps x's shape, else None."""
+    _, a, b = node.args[:3]
     x = a if is_zero_constant(b) else b if is_zero_constant(a) else None
-    return x is not None and isinstance(x, fx.Node) and \
-        tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape)
+    if isinstance(x, fx.Node) and tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape):
+        return x
+    return None
+
+
+def _is_masking(an: "BatchDimAnalysis", node: fx.Node) -> bool:
+    """where with a sample-free cond and a zero branch: linear in the other branch."""
+    return an.st(node.args[0]) is FREE and masked_operand(node) is not None
 
 
 # ---------------------------------------------------------------------------
@@ -564,7 +568,7 @@ def _slice_scatter(an, node):
     n = _ndim(base)
     k = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
     found = None
-    for s, nd_shift in ((sb, 0), (ss, 1 if node.target is aten.select_scatter.default else 0)):
+    for s in (sb, ss):
         if isinstance(s, Batched) and s.dim is not None:
             d = s.dim
             if node.target is aten.select_scatter.default and s is ss and d >= k:

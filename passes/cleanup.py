@@ -6,14 +6,12 @@ import heapq
 
 import torch
 
+from .batch_dims import COLLECTIVE_REDUCTIONS
 from .context import DPPassContext
 
 
 _C10D = torch.ops._c10d_functional
-_COLLECTIVES = {
-    _C10D.wait_tensor.default, _C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default,
-    _C10D.all_gather_into_tensor.default,
-}
+_COLLECTIVES = COLLECTIVE_REDUCTIONS | {_C10D.wait_tensor.default, _C10D.all_gather_into_tensor.default}
 
 
 def cleanup_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:

@@ -1,7 +1,7 @@
 """One order of gradient collectives on every rank.
 
-Ranks compile their own graphs (batch sizes differ; a rank with one or no
-sample takes the whole-gradient path), yet NCCL and gloo need every rank to
+Ranks compile their own graphs (batch sizes differ, and so may the schedule's
+placement of deferred and recomputed contractions), yet NCCL and gloo need every rank to
 issue the same collectives in the same order. This pass puts the gradient
 reduce-scatters / all-reduces in a canonical order, that of the parameters'
 gradient outputs, whatever schedule produced them; a later collective waits
@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .batch_dims import COLLECTIVE_REDUCTIONS as _REDUCTIONS
 from .cleanup import stable_topological_sort
 from .context import DPPassContext
 
 _C10D = torch.ops._c10d_functional
-_REDUCTIONS = {_C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default}
 
 
 def _collectives_feeding(out_arg: fx.Node) -> list[fx.Node]:

@@ -44,8 +44,8 @@ class DPPassContext:
     analysis: Any = None
     backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order
     local_grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)  # param -> pre-collective grad
-    whole_gradient_mode: bool = False
-    empty_batch: bool = False  # B == 0 (a rank that sampled nothing): zero gradient + noise  # B == 1: the per-sample gradient is the gradient
+    whole_gradient_mode: bool = False  # B <= 1: the per-sample gradient is the gradient
+    empty_batch: bool = False  # B == 0: zero gradient + noise
     counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)

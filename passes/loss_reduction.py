@@ -39,7 +39,6 @@ def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> No
     k = 1.0 / ctx.config.expected_batch_size if kind == "mean" else 1.0
     ctx.loss = LossInfo(loss, tangent, kind, 0 if kind == "mean" else 1, k)
     ctx.summary["loss"] = {"reduction": kind, "k": k, "batch_size": "0 (no samples on this rank)"}
-    return None
 
 
 def loss_not_per_sample(origin: fx.Node, why: str) -> DPCompileError:

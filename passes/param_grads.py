@@ -18,7 +18,7 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import module_of, op_name
 
-from .batch_dims import COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, is_zero_constant
+from .batch_dims import COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, is_zero_constant, masked_operand
 from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten
@@ -160,9 +160,8 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         terms, _ = decompose(node.args[0], ctx, param, alpha)
         return terms, False
     if t is aten.where.self and ctx.states.get(node.args[0]) is FREE:
-        c, a, b = node.args[:3]
-        x = a if is_zero_constant(b) else b if is_zero_constant(a) else None
-        if isinstance(x, fx.Node) and tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape):
+        x = masked_operand(node)
+        if x is not None:
             terms, _ = decompose(x, ctx, param, alpha)
             return terms, False
     if t in SCATTER_ADD:

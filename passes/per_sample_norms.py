@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import GraphBuilder, known
 
-from .batch_dims import Batched, Contribution, is_zero_constant
+from .batch_dims import Batched, Contribution, masked_operand
 from .context import DPPassContext
 from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
 
@@ -239,9 +239,10 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         args[2] = (args[2] if len(args) > 2 else 0) % base.dim() + 1
         r = b.call(t, *args)
     elif t is aten.where.self:
-        c, a, z = node.args[:3]
-        keep_first = is_zero_constant(z)
-        x = _replay(b, nb, a if keep_first else z, pg, memo)
+        c, a = node.args[:2]
+        kept = masked_operand(node)
+        keep_first = kept is a
+        x = _replay(b, nb, kept, pg, memo)
         zero = b.call(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype)
         r = b.call(aten.where.self, c, x, zero) if keep_first else b.call(aten.where.self, c, zero, x)
     elif t in SCATTER_ADD:

@@ -1,14 +1,19 @@
 """Step time and peak memory: non-private vs dp_fsdp bk vs dp_fsdp ghost, side by side in one run.
 
-    torchrun --nproc_per_node=2 benchmarks/step.py            # 2 GPUs (NCCL), GPT-2-small shape
-    torchrun --nproc_per_node=1 benchmarks/step.py            # 1 GPU, same sharding code
-    python benchmarks/step.py --tiny                          # CPU smoke run (gloo, 1 rank)
+    torchrun --nproc_per_node=2 benchmarks/step.py                # 2 GPUs (NCCL), GPT-2-small shape
+    torchrun --nproc_per_node=1 benchmarks/step.py                # 1 GPU, same sharding code
+    torchrun --nproc_per_node=4 benchmarks/step.py --model llama  # Llama-3.2-1B shape
+    python benchmarks/step.py --tiny                              # CPU smoke run (gloo, 1 rank)
+    python benchmarks/step.py --tiny --model llama
 
 Every mode uses the same model, the same fully_shard sharding and mixed
 precision (fp32 parameters, bf16 compute, fp32 gradient reduction); only the
 backend differs ("inductor" for the non-private step). Reports the median
 step time over --iters timed steps after --warmup, peak memory, and the
 ratios to non-private. Rank 0 prints a table and writes JSON to --out.
+--profile DIR also records one more step of each mode with torch.profiler
+(a Chrome trace per rank) and prints where the collectives sit: NCCL kernel
+time, and how much of it runs while a compute kernel runs.
 """
 from __future__ import annotations
 
@@ -28,10 +33,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dpcompile  # noqa: E402
 from train_gpt_dp import GPT  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama import Llama  # noqa: E402
+
 
 def build(args, mesh, device):
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(device)
+    if args.model == "llama":
+        model = Llama(args.vocab, args.d, args.layers, args.heads, args.kv_heads, args.ffn).to(device)
+    else:
+        model = GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(device)
     mp = dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
     for b in model.blocks:
         dpcompile.fully_shard(b, mesh=mesh, mp_policy=mp)
@@ -54,8 +65,9 @@ def run_mode(mode, args, mesh, device, world):
     if mode == "nonprivate":
         step = torch.compile(train_step, backend="inductor")
     else:
-        step = torch.compile(train_step, backend=dpcompile.DPBackend(
-            max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch * world, schedule=mode))
+        # what users run: one graph for every per-rank batch size (private_step marks the batch)
+        step = dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=1.0,
+                                      expected_batch_size=args.batch * world, schedule=mode)(train_step)
     g = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -79,16 +91,47 @@ def run_mode(mode, args, mesh, device, world):
         sync()
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return {"mode": mode, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+    overlap = profile_step(mode, args, lambda: (step(x, y), opt.step(), opt.zero_grad(set_to_none=True)), sync) \
+        if args.profile else None
+    return {"mode": mode, "comm": overlap, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": peak / 2**30, "compile_and_warmup_s": warm_s, "loss": float(loss)}
+
+
+def profile_step(mode, args, run, sync) -> dict:
+    """One profiled step: a Chrome trace, and NCCL kernel time overlapped with compute."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        run()
+        sync()
+    os.makedirs(args.profile, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(args.profile, f"{args.model}_{mode}_rank{dist.get_rank()}.json"))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    comp = sorted((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower())
+    merged: list[list[float]] = []  # compute busy intervals
+    for a, b in comp:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    overlapped = sum(max(0.0, min(b, mb) - max(a, ma)) for a, b in comm for ma, mb in merged)
+    total_comm = sum(b - a for a, b in comm)
+    span = (max(b for _, b in merged) - min(a for a, _ in merged)) if merged else 0.0
+    return {"nccl_kernels": len(comm), "nccl_ms": total_comm / 1e3, "nccl_overlapped_ms": overlapped / 1e3,
+            "compute_busy_ms": sum(b - a for a, b in merged) / 1e3, "gpu_span_ms": span / 1e3}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--d", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--model", choices=["gpt", "llama"], default="gpt")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--d", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--kv-heads", type=int, default=8, help="llama: key/value heads")
+    ap.add_argument("--ffn", type=int, default=8192, help="llama: SwiGLU hidden size")
+    ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4, help="samples per GPU")
     ap.add_argument("--warmup", type=int, default=3)
@@ -97,9 +140,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bf16", dest="bf16", action="store_false")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke configuration")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="directory for one profiled step per mode")
     args = ap.parse_args(argv)
+    shape = {"gpt": dict(layers=12, d=768, heads=12, vocab=50257),  # GPT-2 small
+             "llama": dict(layers=16, d=2048, heads=32, vocab=128256)}[args.model]  # Llama-3.2-1B
+    for k, v in shape.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.tiny:
-        args.layers, args.d, args.heads, args.vocab, args.seq, args.batch = 2, 32, 2, 128, 16, 4
+        args.layers, args.d, args.heads, args.vocab, args.seq, args.batch = 2, 32, 4, 128, 16, 4
+        args.kv_heads, args.ffn = 2, 64
         args.warmup, args.iters, args.bf16 = 2, 3, False
     cuda = torch.cuda.is_available() and not args.tiny
     if "RANK" not in os.environ:
@@ -118,12 +168,18 @@ def main(argv=None) -> int:
             r["mem_ratio"] = r["peak_gib"] / base["peak_gib"] if base["peak_gib"] else None
     if rank == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
-        print(f"GPT L={args.layers} d={args.d} V={args.vocab} T={args.seq}, {args.batch}/GPU x {world} {name}, "
+        print(f"{args.model} L={args.layers} d={args.d} V={args.vocab} T={args.seq}, {args.batch}/GPU x {world} {name}, "
               f"bf16={args.bf16}, torch {torch.__version__}")
         print(f"{'mode':>10} {'median ms':>10} {'ratio':>6} {'peak GiB':>9} {'mem ratio':>9} {'compile+warmup s':>16}")
         for r in results:
             print(f"{r['mode']:>10} {r['median_ms']:10.1f} {r.get('time_ratio', 1):6.2f} {r['peak_gib']:9.2f} "
                   f"{(r.get('mem_ratio') or 0):9.2f} {r['compile_and_warmup_s']:16.1f}")
+        for r in results:
+            if r["comm"]:
+                c = r["comm"]
+                print(f"{r['mode']:>10} profile: {c['nccl_kernels']} NCCL kernels, {c['nccl_ms']:.1f} ms, "
+                      f"{c['nccl_overlapped_ms']:.1f} ms of it under compute; compute busy "
+                      f"{c['compute_busy_ms']:.1f} ms of a {c['gpu_span_ms']:.1f} ms GPU span")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"args": vars(args), "world": world, "device": name, "results": results}, f, indent=2)

@@ -17,6 +17,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from dpcompile.batching import require_unbacked_batch
+from dpcompile.compat import guard_empty_y_grid
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
@@ -254,7 +256,23 @@ def _collectives_by_phase(fw: fx.GraphModule, bw: fx.GraphModule, ctx) -> dict[s
     count(fw, "forward")
     count(bw, "backward_before_clip")
     phases["removed_from_backward"] = {"reduce_scatters": ctx.counters.get("unused_collectives_removed", 0)}
+    phases["backward_overlap"] = {"reduce_scatters_under_a_gemm": _reduce_scatters_under_gemm(bw)}
     return phases
+
+
+_GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _reduce_scatters_under_gemm(gm: fx.GraphModule) -> int:
+    """Reduce-scatters with a matrix multiply issued between them and their wait (they can overlap)."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gemms = [pos[n] for n in gm.graph.nodes if n.op == "call_function" and n.target in _GEMMS]
+    found = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("reduce_scatter_tensor"):
+            waits = [pos[u] for u in n.users if u.target is torch.ops._c10d_functional.wait_tensor.default]
+            found += bool(waits) and any(pos[n] < g < min(waits) for g in gemms)
+    return found
 
 
 def _input_index(desc) -> int | None:
@@ -341,6 +359,9 @@ class DPBackend:
         compile_id = str(cid) if cid is not None else str(len(self.compiled))
         inputs = classify_inputs(gm, example_inputs, self.config)
         check_sharding(inputs, example_inputs)
+        if any(gi.sharded for gi in inputs) and torch.is_grad_enabled():
+            require_unbacked_batch(gm, inputs)
+        guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
         self.noise.rank = _noise_rank(example_inputs)
         record = CompiledStep(compile_id, inputs)
         self.compiled.append(record)

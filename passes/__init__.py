@@ -16,7 +16,9 @@ from .batch_dims import batch_dim_analysis_pass
 from .cleanup import cleanup_pass
 from .clip_schedule import clip_schedule_pass
 from .collective_order import collective_order_pass
+from .comm_overlap import comm_overlap_pass
 from .context import DPPassContext, ParamInfo
+from .empty_batch import empty_batch_pass
 from .fsdp_reshard import fsdp_reshard_pass
 from .loss_reduction import loss_reduction_pass
 from .noise import gaussian_noise_pass
@@ -33,6 +35,7 @@ class Pass:
 
 PASSES: tuple[Pass, ...] = (
     Pass("batch_dim_analysis", batch_dim_analysis_pass),
+    Pass("empty_batch", empty_batch_pass),
     Pass("loss_reduction", loss_reduction_pass),
     Pass("param_grad_decomposition", param_grad_decomposition_pass),
     Pass("per_sample_norms", per_sample_norms_pass),
@@ -41,6 +44,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("cleanup", cleanup_pass, optional=True),
     Pass("fsdp_reshard", fsdp_reshard_pass, optional=True),
     Pass("collective_order", collective_order_pass),
+    Pass("comm_overlap", comm_overlap_pass, optional=True),
 )
 
 

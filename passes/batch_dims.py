@@ -23,6 +23,7 @@ import dataclasses
 import operator
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -149,21 +150,18 @@ class BatchDimAnalysis:
                     f"'{name}' has {s} along their batch dims; if '{name}' is not per-sample, pass "
                     f"batch_dim={{'{name}': None}} (or the right dim) in the dp_fsdp options"
                 )
+        for _, s in sizes[1:]:
+            _unify_symbols(s, self.B)
         ctx.batch_size = self.B
-        if ctx.sharded and (known(self.B == 0) or known(self.B == 1)):
-            # dynamo specialises sizes 0 and 1, and such a graph issues other
-            # collectives than the other ranks' (they would hang)
-            raise DPValueError(
-                f"dp_fsdp: this rank has {self.B} sample(s) in a sharded step; ranks with 0 or 1 samples are not "
-                f"supported yet under fully_shard (their compiled graph would issue different collectives than "
-                f"the other ranks'). Give every rank at least 2 samples per step."
-            )
+        # a sharded step is compiled with an unbacked batch size
+        # (dpcompile.batching): one graph, the same collectives on every rank
+        assert not ctx.sharded or not (known(self.B == 0) or known(self.B == 1)), self.B
         ctx.whole_gradient_mode = known(self.B == 1)
         ctx.empty_batch = known(self.B == 0)
         if ctx.empty_batch:
-            # no samples this step (unsharded only; refused above under
-            # fully_shard): every per-sample tensor is empty and the gradient
-            # is exactly zero; like B == 1 it is handled whole, scaled by r = 0
+            # no samples this step (a static size: unsharded only): every
+            # per-sample tensor is empty and the gradient is exactly zero;
+            # like B == 1 it is handled whole, scaled by r = 0
             ctx.whole_gradient_mode = True
             self.tdep = {n for n in self.gm.graph.nodes if n.name.startswith("tangents")}
             return
@@ -289,6 +287,22 @@ class BatchDimAnalysis:
 
     def tensor_args(self, node: fx.Node) -> list[tuple[fx.Node, Any]]:
         return [(a, self.states[a]) for a in node.all_input_nodes]
+
+
+def _unify_symbols(s: Any, B: Any) -> None:
+    """Make two batch sizes proven equal one symbol.
+
+    Unbacked batch dims (one graph for every batch size) get one symbol per
+    input, and what proves them equal is often a shape check on a product
+    (cross_entropy checks 8*u1 == 8*u0), which gives the shape environment an
+    axiom but no substitution; without one, divisibility facts like
+    u1 % u0 == 0 that the layout rules rely on are not provable.
+    """
+    if not (isinstance(s, torch.SymInt) and isinstance(B, torch.SymInt)):
+        return
+    a, b = s.node.expr, B.node.expr
+    if a != b and isinstance(a, sympy.Symbol) and isinstance(b, sympy.Symbol):
+        s.node.shape_env._set_replacement(a, b, "dpcompile: data inputs share the batch dim")
 
 
 def is_zero_constant(a: Any) -> bool:

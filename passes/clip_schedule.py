@@ -138,9 +138,12 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     all_contribs = [c for pg in ctx.decompositions.values() for c, _ in pg.terms]
     recompute = [c for c in all_contribs if c not in deferred]
 
-    # bk: rebuild deferred contributions after r, row-scaled
+    # bk: rebuild deferred contributions after r, row-scaled; last parameter
+    # first, the order a backward produces gradients and the order their
+    # reductions are issued in (collective_order), so each reduce-scatter
+    # can run under the next contraction
     with graph.inserting_before(out):
-        for c in all_contribs:
+        for c in reversed(all_contribs):
             if c not in deferred:
                 continue
             b.meta_source = c.node

@@ -1,11 +1,13 @@
 """One order of gradient collectives on every rank.
 
-Ranks compile their own graphs (batch sizes differ, and so may the schedule's
-placement of deferred and recomputed contractions), yet NCCL and gloo need every rank to
-issue the same collectives in the same order. This pass puts the gradient
-reduce-scatters / all-reduces in a canonical order, that of the parameters'
-gradient outputs, whatever schedule produced them; a later collective waits
-for an earlier one rather than overtaking it.
+Ranks compile their own graphs (shard shapes differ with uneven sharding),
+yet NCCL and gloo need every rank to issue the same collectives in the same
+order. This pass puts the gradient reduce-scatters / all-reduces in a
+canonical order fixed by the parameters alone, whatever schedule produced
+them: the reverse of the gradient outputs (last parameter first), which is
+the order a backward produces gradients in (the ghost second backward, and
+the bk deferred contractions, which clip_schedule emits in that order). A
+later collective waits for an earlier one rather than overtaking it.
 """
 from __future__ import annotations
 
@@ -33,15 +35,22 @@ def _collectives_feeding(out_arg: fx.Node) -> list[fx.Node]:
     return found
 
 
-def collective_order_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
-    """Reorders gradient collectives to the order of the parameters' outputs."""
+def gradient_collectives(gm: fx.GraphModule, ctx: DPPassContext) -> list[fx.Node]:
+    """The gradient reductions in canonical order: that of the parameters' gradient outputs."""
     out = gm.graph.find_nodes(op="output")[0]
     order: list[fx.Node] = []
-    for p in sorted(ctx.params, key=lambda p: p.grad_output_index):
+    # last parameter first: the order in which a backward produces gradients
+    for p in sorted(ctx.params, key=lambda p: p.grad_output_index, reverse=True):
         g = out.args[0][p.grad_output_index]
         for c in reversed(_collectives_feeding(g)):  # innermost (first issued) first
             if c not in order:
                 order.append(c)
+    return order
+
+
+def collective_order_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    """Reorders gradient collectives to the order of the parameters' outputs."""
+    order = gradient_collectives(gm, ctx)
     stable_topological_sort(gm.graph, after={c: [prev] for prev, c in zip(order, order[1:])})
     ctx.counters["collectives_ordered"] += len(order)
     return gm

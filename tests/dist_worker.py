@@ -59,6 +59,7 @@ def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_for
         loss.backward()
         return loss.detach()
 
+    dpcompile.mark_batch(local)
     torch.compile(step, backend=backend)(local, local)
     for name, p in model.named_parameters():
         assert isinstance(p.grad, torch.distributed.tensor.DTensor), name
@@ -70,12 +71,66 @@ def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_for
         for phase in ("forward", "backward")
     }
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    n_linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
     if out_dir:
         import json
 
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"counts": counts, "n_params": n_params, "counters": rec.counters,
+            json.dump({"counts": counts, "n_params": n_params, "n_linear": n_linear, "counters": rec.counters,
                        "summary_collectives": rec.summary["collectives"]}, f)
+    dist.destroy_process_group()
+
+
+def uneven_steps(rank, world, init_file, case, schedule, steps, out_dir, private_step=False):
+    """Several steps with per-rank batch sizes that change, zero and one included.
+
+    Every rank must run one compiled graph (the same collectives whatever its
+    batch); each step's gradient equals the reference on the concatenation.
+    """
+    import json
+
+    mesh = _init(rank, world, init_file)
+    model, loss_fn, vocab = make(case)
+    ref_model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, vocab, (sum(sizes), 6), generator=g) for sizes in steps]
+    _, norms = dp_reference(ref_model, loss_fn, (batches[0],), (batches[0],), max_grad_norm=1.0,
+                            expected_batch_size=8)
+    C = float(norms.median())
+    shard(model, mesh)
+    options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=8, schedule=schedule)
+
+    def step(x, y):
+        loss = loss_fn(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    if private_step:
+        compiled = dpcompile.private_step(**options)(step)
+        backend = compiled.dp_backend
+    else:
+        backend = dpcompile.DPBackend(**options)
+        compiled = torch.compile(step, backend=backend)
+    clipped = unclipped = 0
+    for sizes, ids in zip(steps, batches):
+        lo = sum(sizes[:rank])
+        local = ids[lo: lo + sizes[rank]].clone()  # a fresh batch, as a data loader gives
+        model.zero_grad(set_to_none=True)
+        if not private_step:
+            dpcompile.mark_batch(local)
+        compiled(local, local)
+        if len(ids):
+            ref, n = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=8)
+            clipped += int((n > C).sum())
+            unclipped += int((n < C).sum())
+        for name, p in model.named_parameters():
+            full = p.grad.full_tensor().double()
+            want = ref[name] if len(ids) else torch.zeros_like(full)
+            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{sizes} {name}: {m}")
+    dp_graphs = [r for r in backend.compiled if r.dp]
+    with open(os.path.join(out_dir, f"uneven{rank}.json"), "w") as f:
+        json.dump({"dp_graphs": len(dp_graphs), "batch_size": dp_graphs[0].summary["batch_size"],
+                   "counters": dp_graphs[0].counters, "clipped": clipped, "unclipped": unclipped}, f)
     dist.destroy_process_group()
 
 
@@ -98,6 +153,7 @@ def noise(rank, world, init_file, out_dir, seed):
         outs = []
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
+            dpcompile.mark_batch(ids)
             compiled(ids, ids)
             outs.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
             # this rank's own shard, to compare draws across ranks
@@ -109,6 +165,26 @@ def noise(rank, world, init_file, out_dir, seed):
     noisy, noisy_local = run(2.0, 30)
     local = {n: noisy_local[n] - clean_local[n] for n in noisy_local}
     torch.save({"z": noisy - clean, "local": local}, os.path.join(out_dir, f"noise{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def hybrid_noise(rank, world, init_file, out_dir):
+    """2x2 mesh: replicas of a shard draw the same noise, shards draw different noise."""
+    mesh = _init(rank, world, init_file, (2, 2))
+    model, loss_fn, vocab = make("gpt")
+    shard(model, mesh)
+    ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(rank))
+
+    def draw(sigma):
+        torch._dynamo.reset()
+        step = dpcompile.private_step(max_grad_norm=0.5, noise_multiplier=sigma, expected_batch_size=8, seed=5,
+                                      schedule="ghost")(lambda x, y: loss_fn(model(x), y).mean().backward())
+        model.zero_grad(set_to_none=True)
+        step(ids, ids)
+        return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+
+    clean, noisy = draw(0.0), draw(3.0)
+    torch.save({n: noisy[n] - clean[n] for n in clean}, os.path.join(out_dir, f"hnoise{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -150,7 +226,8 @@ def bad_inputs(rank, world, init_file, out_dir):
     dist.destroy_process_group()
 
 
-def tiny_batch(rank, world, init_file, out_dir):
+def unmarked_batch(rank, world, init_file, out_dir):
+    """A sharded step compiled without mark_batch is refused on every rank (rank 1 has no samples)."""
     import json
 
     mesh = _init(rank, world, init_file)
@@ -163,19 +240,19 @@ def tiny_batch(rank, world, init_file, out_dir):
         loss.backward()
         return loss.detach()
 
-    ids = torch.randint(0, vocab, (1, 6))
+    ids = torch.randint(0, vocab, (2 if rank == 0 else 0, 6))
     try:
         torch.compile(step, backend=backend)(ids, ids)
         err = "no error"
     except ValueError as e:
         err = str(e)
-    with open(os.path.join(out_dir, f"tiny{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"unmarked{rank}.json"), "w") as f:
         json.dump({"error": err}, f)
     dist.destroy_process_group()
 
 
 def correctness_nccl_bf16(rank, world, init_file, out_dir):
-    """2 GPUs, NCCL, bf16 compute with fp32 parameters and reduction, against the fp32/fp64 reference."""
+    """2 or 4 GPUs, NCCL, bf16 compute with fp32 parameters and reduction, against the fp64 reference."""
     import json
 
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -187,17 +264,18 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir):
             torch._dynamo.reset()
             model, loss_fn, vocab = make(case)
             ref_model = copy.deepcopy(model)
-            sizes = [3, 2]
+            sizes = {2: [3, 1], 4: [3, 2, 0, 1]}[world]  # an empty rank and a one-sample rank
+            ebs = sum(sizes) + 1
             ids = torch.randint(0, vocab, (sum(sizes), 6), generator=torch.Generator().manual_seed(1))
-            _, norms = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=5)
+            _, norms = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=ebs)
             C = float(norms.median())
-            ref, _ = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=6)
+            ref, _ = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=ebs)
             model = model.cuda()
             mp = dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for b in (getattr(model, "blocks", None) or [model.block]):
                 dpcompile.fully_shard(b, mesh=mesh, mp_policy=mp)
             dpcompile.fully_shard(model, mesh=mesh, mp_policy=mp)
-            backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=6,
+            backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs,
                                           schedule=schedule)
 
             def step(x, y):
@@ -206,6 +284,7 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir):
                 return loss.detach()
 
             local = ids[sum(sizes[:rank]): sum(sizes[: rank + 1])].cuda()
+            dpcompile.mark_batch(local)
             torch.compile(step, backend=backend)(local, local)
             worst = 0.0
             for name, p in model.named_parameters():
@@ -217,7 +296,7 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir):
                 assert err < 0.05, (case, schedule, name, err)
             results[f"{case}-{schedule}"] = worst
     if rank == 0:
-        with open(os.path.join(out_dir, "nccl_bf16.json"), "w") as f:
+        with open(os.path.join(out_dir, f"nccl_bf16_{world}.json"), "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
 
@@ -250,6 +329,7 @@ def checkpoint(rank, world, init_file, out_dir):
     def train(model, opt, step, n):
         losses = []
         for _ in range(n):
+            dpcompile.mark_batch(local)
             losses.append(float(step(local, local)))
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -123,6 +123,47 @@ def test_varying_batch_sizes_use_a_dynamic_graph(schedule):
     assert len(dp_graphs) == 2  # B=4 static, then one symbolic-B graph for 3, 5, 2
 
 
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_unbacked_batch_one_graph_for_every_size(schedule):
+    """Batch dims marked unbacked one by one (two symbols, proven equal only through a product) and a
+    model with view(B, T, H, -1): one graph runs B = 3, 0, 1, 4 exactly (B = 0: a zero gradient)."""
+    from reference import dp_reference
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = M.LlamaLM()
+    batches = [(_ids(B, 6, 13), _ids(B, 6, 13)) for B in (3, 0, 1, 4)]
+    _, norms = dp_reference(model, M.seq_ce, batches[0][:1], batches[0][1:], max_grad_norm=1.0, reduction="sum")
+    C = float(norms.median())
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=4, schedule=schedule)
+
+    def step(ids, y):
+        loss = M.seq_ce(model(ids), y).sum()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend=backend)
+    clipped = unclipped = 0
+    for ids, y in batches:
+        B = ids.shape[0]
+        torch._dynamo.decorators.mark_unbacked(ids, 0)
+        torch._dynamo.decorators.mark_unbacked(y, 0)
+        model.zero_grad(set_to_none=True)
+        compiled(ids, y)
+        if B:
+            ref, norms = dp_reference(model, M.seq_ce, (ids,), (y,), max_grad_norm=C, reduction="sum",
+                                      expected_batch_size=4)
+            clipped, unclipped = clipped + int((norms > C).sum()), unclipped + int((norms < C).sum())
+        for n, p in model.named_parameters():
+            want = ref[n] if B else torch.zeros_like(p, dtype=torch.float64)
+            torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=1e-7, msg=lambda m: f"B={B} {n}: {m}")
+    assert clipped and unclipped
+    dp_graphs = [r for r in backend.compiled if r.dp]
+    assert len(dp_graphs) == 1
+    assert dp_graphs[0].counters["nonempty_batch_asserts_removed"] >= 1  # the -1 view's B != 0
+
+
 class TimeMajor(torch.nn.Module):
     """Takes [T, B, d] input: the samples are on dim 1."""
 

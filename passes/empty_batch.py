@@ -1,0 +1,57 @@
+"""Let a graph traced for any batch size also run with no samples.
+
+With an unbacked batch size (one graph for every batch size: what sharded
+steps compile, so every rank issues the same collectives whatever its batch)
+some ops make the tracer assume the batch is not empty, e.g. ``view(B, T, H,
+-1)`` (eager PyTorch cannot infer -1 on an empty tensor either), and the graph
+asserts ``B != 0`` at run time. A rank that draws no samples (Poisson
+sampling does that) would then raise while the other ranks wait in a
+collective. Its correct step is well defined: every per-sample tensor is
+empty, every contraction over the samples is zero, the gradient is zero plus
+the noise. The code traced for B > 0 computes exactly that on empty tensors
+(the assumption only fixed how the ambiguous sizes are resolved), so the
+asserts that say nothing but "the batch is not empty" are dropped. Asserts
+about anything else stay.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .context import DPPassContext
+
+aten = torch.ops.aten
+
+
+def says_only_nonempty(expr: sympy.Basic, b: sympy.Symbol) -> bool:
+    """True iff ``expr`` mentions only ``b``, is false at b = 0 and true for every b >= 1."""
+    if not isinstance(expr, sympy.Basic) or expr.free_symbols != {b}:
+        return False
+    n = sympy.Symbol("n", integer=True, positive=True)
+    return bool(expr.subs(b, 0) == sympy.false) and bool(expr.subs(b, n) == sympy.true)
+
+
+def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    B = ctx.batch_size
+    if not isinstance(B, torch.SymInt) or not isinstance(B.node.expr, sympy.Symbol):
+        return gm  # a concrete batch size: the graph was built for it
+    b = B.node.expr
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten._assert_scalar.default)):
+        cond = node.args[0]
+        val = cond.meta.get("val") if isinstance(cond, fx.Node) else None
+        if isinstance(val, torch.SymBool) and says_only_nonempty(val.node.expr, b):
+            gm.graph.erase_node(node)
+            ctx.counters["nonempty_batch_asserts_removed"] += 1
+    # Inductor emits the shape environment's deferred runtime asserts for an
+    # unbacked symbol wherever it is bound, whatever the graph holds; drop it
+    # there too (it is also an axiom there: without it the simplifier proves
+    # less, which only makes the generated code more general).
+    shape_env = B.node.shape_env
+    kept = [ra for ra in shape_env.deferred_runtime_asserts.get(b, []) if not says_only_nonempty(ra.expr, b)]
+    dropped = len(shape_env.deferred_runtime_asserts.get(b, [])) - len(kept)
+    if dropped:
+        shape_env.deferred_runtime_asserts[b] = kept
+        ctx.counters["nonempty_batch_axioms_dropped"] += dropped
+    gm.graph.eliminate_dead_code()
+    return gm

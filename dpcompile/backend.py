@@ -269,7 +269,7 @@ def _reduce_scatters_under_gemm(gm: fx.GraphModule) -> int:
     gemms = [pos[n] for n in gm.graph.nodes if n.op == "call_function" and n.target in _GEMMS]
     found = 0
     for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("reduce_scatter_tensor"):
+        if n.op == "call_function" and n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default:
             waits = [pos[u] for u in n.users if u.target is torch.ops._c10d_functional.wait_tensor.default]
             found += bool(waits) and any(pos[n] < g < min(waits) for g in gemms)
     return found

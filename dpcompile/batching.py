@@ -19,6 +19,7 @@ collective runs, so a forgotten mark is an error and never a hang.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -60,14 +61,16 @@ def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> N
     unbacked size and would assume a large one); it must be the same on every
     rank so that every rank compiles the same code.
     """
-    mark = torch._dynamo.decorators.mark_unbacked
-    params = inspect.signature(mark).parameters
-    kwargs = {}
-    if "shape_id" in params:
-        kwargs["shape_id"] = _SHAPE_ID
-    if hint is not None and "hint_override" in params:
+    kwargs = {"shape_id": _SHAPE_ID} if "shape_id" in _mark_unbacked_params() else {}
+    if hint is not None and "hint_override" in _mark_unbacked_params():
         kwargs["hint_override"] = hint
-    mark(t, dim, **kwargs)
+    torch._dynamo.decorators.mark_unbacked(t, dim, **kwargs)
+
+
+@functools.cache
+def _mark_unbacked_params() -> frozenset[str]:
+    # what this torch's mark_unbacked accepts (it runs on every step: look once)
+    return frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
 
 
 def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = None) -> None:

@@ -45,11 +45,9 @@ def batch_sizes(gm: fx.GraphModule, inputs) -> list[tuple[Any, Any, int]]:
         fake = node.meta.get("example_value")
         ga = node.meta.get("grapharg")
         real = getattr(ga, "example", None)
-        if not isinstance(fake, torch.Tensor) or not isinstance(real, torch.Tensor):
+        if not isinstance(fake, torch.Tensor) or not isinstance(real, torch.Tensor) or fake.dim() == 0:
             continue
-        bd = gi.batch_dim % fake.dim() if fake.dim() else None
-        if bd is None:
-            continue
+        bd = gi.batch_dim % fake.dim()
         out.append((fake.shape[bd], real, bd))
     return out
 

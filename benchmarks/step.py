@@ -106,8 +106,16 @@ def profile_step(mode, args, run, sync) -> dict:
         run()
         sync()
     os.makedirs(args.profile, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(args.profile, f"{args.model}_{mode}_rank{dist.get_rank()}.json"))
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if dist.get_rank() == 0:  # one trace per mode keeps the output small; ranks run the same graph
+        prof.export_chrome_trace(os.path.join(args.profile, f"{args.model}_{mode}_rank0.json"))
+    # device kernels only: the GPU-side ranges of annotations ("nccl:all_gather...", "Optimizer.step")
+    # would count each collective twice and the optimizer's span as compute
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("nccl:", "Optimizer."))]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
     comp = sorted((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower())
     merged: list[list[float]] = []  # compute busy intervals
@@ -116,11 +124,22 @@ def profile_step(mode, args, run, sync) -> dict:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    overlapped = sum(max(0.0, min(b, mb) - max(a, ma)) for a, b in comm for ma, mb in merged)
-    total_comm = sum(b - a for a, b in comm)
+
+    def under_compute(intervals) -> float:
+        return sum(max(0.0, min(b, mb) - max(a, ma)) for a, b in intervals for ma, mb in merged) / 1e3
+
+    def of_kind(kind: str):
+        return [(e.time_range.start, e.time_range.end) for e in kernels if kind in e.name]
+
     span = (max(b for _, b in merged) - min(a for a, _ in merged)) if merged else 0.0
-    return {"nccl_kernels": len(comm), "nccl_ms": total_comm / 1e3, "nccl_overlapped_ms": overlapped / 1e3,
-            "compute_busy_ms": sum(b - a for a, b in merged) / 1e3, "gpu_span_ms": span / 1e3}
+    per_kind = {}
+    for kind in ("AllGather", "ReduceScatter", "AllReduce"):
+        iv = of_kind(kind)
+        per_kind[kind] = {"kernels": len(iv), "ms": sum(b - a for a, b in iv) / 1e3, "under_compute_ms": under_compute(iv)}
+    return {"nccl_kernels": len(comm), "nccl_ms": sum(b - a for a, b in comm) / 1e3,
+            "nccl_overlapped_ms": under_compute(comm), "per_collective": per_kind,
+            "compute_busy_ms": sum(b - a for a, b in merged) / 1e3, "gpu_span_ms": span / 1e3,
+            "top_kernels": [(name[:90], len(ts), sum(ts) / 1e3) for name, ts in top]}
 
 
 def main(argv=None) -> int:
@@ -180,6 +199,12 @@ def main(argv=None) -> int:
                 print(f"{r['mode']:>10} profile: {c['nccl_kernels']} NCCL kernels, {c['nccl_ms']:.1f} ms, "
                       f"{c['nccl_overlapped_ms']:.1f} ms of it under compute; compute busy "
                       f"{c['compute_busy_ms']:.1f} ms of a {c['gpu_span_ms']:.1f} ms GPU span")
+                for kind, k in c["per_collective"].items():
+                    if k["kernels"]:
+                        print(f"{'':>10}   {kind}: {k['kernels']} kernels, {k['ms']:.1f} ms, "
+                              f"{k['under_compute_ms']:.1f} ms of it under compute")
+                for name, count, ms in c["top_kernels"]:
+                    print(f"{'':>10}   {ms:7.2f} ms {count:4d}x  {name}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"args": vars(args), "world": world, "device": name, "results": results}, f, indent=2)

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcompile.batching import require_unbacked_batch
-from dpcompile.compat import guard_empty_y_grid
+from dpcompile.compat import guard_empty_y_grid, hint_mix_order_split
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
@@ -362,6 +362,7 @@ class DPBackend:
         if any(gi.sharded for gi in inputs) and torch.is_grad_enabled():
             require_unbacked_batch(gm, inputs)
         guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
+        hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
         self.noise.rank = _noise_rank(example_inputs)
         record = CompiledStep(compile_id, inputs)
         self.compiled.append(record)

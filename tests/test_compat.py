@@ -1,7 +1,7 @@
-"""The zero-size grid guard dpcompile adds to older torch releases."""
+"""The fixes dpcompile adds to older torch releases."""
 import pytest
 
-from dpcompile.compat import guard_empty_y_grid
+from dpcompile.compat import guard_empty_y_grid, hint_mix_order_split, unbacked_size_hints
 
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 
@@ -16,3 +16,29 @@ def test_y_overflow_grid_of_an_empty_dim_is_zero(ynumel):
     assert g0 == 4
     assert g1 * g2 >= (ynumel + 1) // 2 and (g1 == 0) == (ynumel == 0)
     assert g1 <= 65535
+
+
+def test_unbacked_size_hints_use_the_hint_override_and_leave_static_sizes_alone():
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    u = env.create_unbacked_symint().node.expr
+    env.var_to_hint_override[u] = 3
+    sizevars = SizeVarAllocator(env)
+    had = hasattr(sizevars, "size_hint")
+    with unbacked_size_hints(sizevars):
+        assert sizevars.size_hint(u * 1024) == 3 * 1024
+        assert sizevars.size_hint(7 * 64) == 448
+    assert hasattr(sizevars, "size_hint") == had  # the class's method again, or none as before
+
+
+def test_mix_order_split_patch_only_where_torch_still_asks_size_hint():
+    import inspect
+
+    simd = pytest.importorskip("torch._inductor.codegen.simd")
+    hint_mix_order_split()
+    fn = simd.SIMDScheduling._codegen_mix_order_reduction
+    original = getattr(fn, "_dpcompile_original", fn)
+    asks_size_hint = "sizevars.size_hint(numel)" in inspect.getsource(original)
+    assert getattr(fn, "_dpcompile_guarded", False) == asks_size_hint

@@ -100,7 +100,7 @@ class NormBuilder:
         if algo == "ghost":
             Ga = b.call(aten.bmm.default, A, _transpose12(b, A))
             Gg = b.call(aten.bmm.default, G, _transpose12(b, G))
-            return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, Ga, Gg), [1, 2]), algo, why
+            return b.sum_per_sample(b.call(aten.mul.Tensor, Ga, Gg)), algo, why
         W = b.call(aten.bmm.default, _transpose12(b, A), G)  # [B, p, m]
         return b.sq_sum_per_sample(W), algo, why
 
@@ -156,7 +156,7 @@ class NormBuilder:
         Gv = b.call(aten.bmm.default, V, _transpose12(b, V))  # [B, S, S]
         eq = b.call(aten.eq.Tensor, I, _transpose12(b, I))  # [B, S, S]
         zero = b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32)
-        return b.call(aten.sum.dim_IntList, b.call(aten.where.self, eq, Gv, zero), [1, 2])
+        return b.sum_per_sample(b.call(aten.where.self, eq, Gv, zero))
 
     def emb_materialize(self, c: Contribution) -> fx.Node:
         b = self.b
@@ -276,7 +276,11 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
 def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Adds the [B] vector of per-sample squared norms, c and r = c * M * k."""
     graph = gm.graph
-    b = GraphBuilder(graph)
+
+    def count(key: str) -> None:
+        ctx.counters[key] += 1
+
+    b = GraphBuilder(graph, counter=count)
     nb = NormBuilder(b, ctx)
     out = graph.find_nodes(op="output")[0]
     per_param: list[fx.Node] = []

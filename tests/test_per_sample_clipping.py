@@ -164,6 +164,22 @@ def test_unbacked_batch_one_graph_for_every_size(schedule):
     assert dp_graphs[0].counters["nonempty_batch_asserts_removed"] >= 1  # the -1 view's B != 0
 
 
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("linear_norm,T,d,at_least", [("direct", 8, 128, 3), ("ghost", 256, 16, 4)])
+def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d, at_least):
+    """Per-sample tensors of 2**16 elements or more are summed in two stages (Inductor cannot split a sum to
+    an unbacked [B]): direct weight gradients of the 4d x d MLP and the tied [V, d] embedding/LM head, or the
+    T x T Gram matrices of the ghost norms of every Linear and the position embedding. Unbacked batch, exact."""
+    torch.manual_seed(0)
+    model = M.GPT(vocab=520, d=d, n_head=2, n_layer=1, max_t=T, tied=True)
+    ids, y = _ids(4, T, 520), _ids(4, T, 520)
+    for t in (ids, y):
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, linear_norm=linear_norm)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["per_sample_two_stage_sums"] >= at_least
+
+
 class TimeMajor(torch.nn.Module):
     """Takes [T, B, d] input: the samples are on dim 1."""
 

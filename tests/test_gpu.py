@@ -66,3 +66,32 @@ def test_cuda_noise_std():
     z = z - z.mean(0)  # the clipped sum is the same every step
     std = z.std().item()
     assert abs(std / (2.0 * 0.5 / 4) - 1) < 0.05, std
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("case", ["gpt", "llama"])
+def test_cuda_bf16_model_matches_reference(case, schedule):
+    """A bf16 model: the norm contractions take the bf16 factors as they are (aten.bmm.dtype, fp32
+    accumulation). Against the fp64 oracle on the same bf16-rounded weights, with bf16 tolerances."""
+    make_model, make_data, loss = CASES[case]
+    torch.manual_seed(0)
+    model = make_model().to(torch.bfloat16)
+    inputs, targets = make_data(4)
+    _, norms = dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
+    C = float(norms.median())
+    ref, _ = dp_reference(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
+    gpu = copy.deepcopy(model).cuda()
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, schedule=schedule)
+
+    def step(xs, ts):
+        l = loss(gpu(*xs).float(), *ts).mean()
+        l.backward()
+        return l.detach()
+
+    torch.compile(step, backend=backend)(tuple(x.cuda() for x in inputs), tuple(t.cuda() for t in targets))
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert any(op == "aten.bmm.dtype" for op, _ in record.ops["backward"])  # the bf16 factors were not upcast
+    for name, p in gpu.named_parameters():
+        want = ref[name]
+        torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
+                                   msg=lambda m: f"{name}: {m}")

@@ -201,9 +201,10 @@ class GraphBuilder:
     def sum_per_sample(self, x: fx.Node) -> fx.Node:
         """[B, ...] -> [B]: sum over everything but the leading sample dim.
 
-        In two reductions when the per-sample tensor has more than one dim:
-        first over the trailing dims, leaving [B, d1..dj] with d1*..*dj >=
-        ROWS_PER_SAMPLE, then over those. Inductor splits a reduction with few
+        In two reductions when the per-sample tensor has more than one dim and
+        at least SINGLE_PASS_LIMIT elements: first over the trailing dims,
+        leaving [B, d1..dj] with d1*..*dj >= ROWS_PER_SAMPLE (or all but the
+        last dim), then over those. Inductor splits a reduction with few
         outputs into parallel partial sums only when it knows the output size;
         a sharded step's batch size is unbacked, so a single sum to [B] runs
         one program per sample over the whole per-sample tensor (a [B, V, d]

@@ -21,25 +21,29 @@ def exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
-@pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama"])
-def test_cuda_matches_reference(case, schedule):
-    make_model, make_data, loss = CASES[case]
-    model = make_model()
-    inputs, targets = make_data(4)
+def _clipped_on_cuda(model, loss, inputs, targets, **options):
+    """The fp64 oracle (C = median norm, clipping active) and dp_fsdp's step on a CUDA copy of ``model``."""
     _, norms = dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
     C = float(norms.median())
     ref, _ = dp_reference(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
     gpu = copy.deepcopy(model).cuda()
-    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, schedule=schedule,
-                                  memory_budget=4000)
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, **options)
 
     def step(xs, ts):
-        l = loss(gpu(*xs), *ts).mean()
+        l = loss(gpu(*xs).float(), *ts).mean()  # the loss in fp32 whatever the model computes in
         l.backward()
         return l.detach()
 
     torch.compile(step, backend=backend)(tuple(x.cuda() for x in inputs), tuple(t.cuda() for t in targets))
+    return ref, gpu, backend
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
+@pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama"])
+def test_cuda_matches_reference(case, schedule):
+    make_model, make_data, loss = CASES[case]
+    inputs, targets = make_data(4)
+    ref, gpu, _ = _clipped_on_cuda(make_model(), loss, inputs, targets, schedule=schedule, memory_budget=4000)
     for name, p in gpu.named_parameters():
         torch.testing.assert_close(p.grad.double().cpu(), ref[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
@@ -77,18 +81,7 @@ def test_cuda_bf16_model_matches_reference(case, schedule):
     torch.manual_seed(0)
     model = make_model().to(torch.bfloat16)
     inputs, targets = make_data(4)
-    _, norms = dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
-    C = float(norms.median())
-    ref, _ = dp_reference(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
-    gpu = copy.deepcopy(model).cuda()
-    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, schedule=schedule)
-
-    def step(xs, ts):
-        l = loss(gpu(*xs).float(), *ts).mean()
-        l.backward()
-        return l.detach()
-
-    torch.compile(step, backend=backend)(tuple(x.cuda() for x in inputs), tuple(t.cuda() for t in targets))
+    ref, gpu, backend = _clipped_on_cuda(model, loss, inputs, targets, schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]
     assert any(op == "aten.bmm.dtype" for op, _ in record.ops["backward"])  # the bf16 factors were not upcast
     for name, p in gpu.named_parameters():

@@ -186,8 +186,8 @@ def main(argv=None) -> int:
             r["time_ratio"] = r["median_ms"] / base["median_ms"]
             r["mem_ratio"] = r["peak_gib"] / base["peak_gib"] if base["peak_gib"] else None
     if rank == 0:
-        name = torch.cuda.get_device_name() if cuda else "cpu"
-        print(f"{args.model} L={args.layers} d={args.d} V={args.vocab} T={args.seq}, {args.batch}/GPU x {world} {name}, "
+        gpu_name = torch.cuda.get_device_name() if cuda else "cpu"
+        print(f"{args.model} L={args.layers} d={args.d} V={args.vocab} T={args.seq}, {args.batch}/GPU x {world} {gpu_name}, "
               f"bf16={args.bf16}, torch {torch.__version__}")
         print(f"{'mode':>10} {'median ms':>10} {'ratio':>6} {'peak GiB':>9} {'mem ratio':>9} {'compile+warmup s':>16}")
         for r in results:
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                     print(f"{'':>10}   {ms:7.2f} ms {count:4d}x  {name}")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"args": vars(args), "world": world, "device": name, "results": results}, f, indent=2)
+                json.dump({"args": vars(args), "world": world, "device": gpu_name, "results": results}, f, indent=2)
     dist.destroy_process_group()
     return 0
 

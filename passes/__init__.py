@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from .aligned_contractions import aligned_contractions_pass
 from .batch_dims import batch_dim_analysis_pass
 from .cleanup import cleanup_pass
 from .clip_schedule import clip_schedule_pass
@@ -42,6 +43,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("clip_schedule", clip_schedule_pass),
     Pass("gaussian_noise", gaussian_noise_pass),
     Pass("cleanup", cleanup_pass, optional=True),
+    # before fsdp_reshard: a pad of a gathered weight joins its recomputed chain
+    Pass("aligned_contractions", aligned_contractions_pass, optional=True),
     Pass("fsdp_reshard", fsdp_reshard_pass, optional=True),
     Pass("collective_order", collective_order_pass),
     Pass("comm_overlap", comm_overlap_pass, optional=True),

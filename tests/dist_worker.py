@@ -37,8 +37,13 @@ def shard(model, mesh, reshard_after_forward=True):
 
 
 def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward, out_dir=None,
-                mesh_shape=None):
+                mesh_shape=None, pad_contractions=False):
     mesh = _init(rank, world, init_file, mesh_shape)
+    if pad_contractions:  # the CUDA padding rule, forced on for CPU float32
+        from dpcompile.passes import aligned_contractions
+
+        aligned_contractions.PAD_DEVICES = ("cpu",)
+        aligned_contractions.ALIGNMENT = {torch.float32: 8}
     model, loss_fn, vocab = make(case)
     ref_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)

@@ -49,6 +49,14 @@ def test_two_ranks_match_single_process_reference(case, schedule, tmp_path):
             assert phases["removed_from_backward"]["reduce_scatters"] == n
 
 
+def test_padded_contractions_on_a_sharded_model(tmp_path):
+    """Odd vocab and sequence padded inside the sharded graph: still exact, weights still re-gathered."""
+    spawn(dist_worker.correctness, "gpt", "bk", [3, 2], True, str(tmp_path), None, True)
+    for rep in _read(tmp_path):
+        assert rep["counters"]["contractions_padded"] >= 8, rep["counters"]
+        assert 0 < rep["counts"]["backward"]["all_gather"] <= rep["n_params"]
+
+
 def test_reshard_after_forward_false_keeps_gathered_params(tmp_path):
     spawn(dist_worker.correctness, "gpt", "bk", [2, 3], False, str(tmp_path))
     for rep in _read(tmp_path):

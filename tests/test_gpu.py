@@ -84,6 +84,7 @@ def test_cuda_bf16_model_matches_reference(case, schedule):
     ref, gpu, backend = _clipped_on_cuda(model, loss, inputs, targets, schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]
     assert any(op == "aten.bmm.dtype" for op, _ in record.ops["backward"])  # the bf16 factors were not upcast
+    assert record.counters["contractions_padded"] > 0  # the odd vocab (13) and sequence (6), zero-padded
     for name, p in gpu.named_parameters():
         want = ref[name]
         torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),

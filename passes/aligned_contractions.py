@@ -1,0 +1,204 @@
+"""Zero-pad contractions whose static sizes break cuBLAS's 16-byte alignment.
+
+A bf16 GEMM with a dimension that is not a multiple of 8 (an LM head with
+GPT-2's vocabulary of 50257) runs on cuBLAS's unaligned fallback kernels:
+2.2-3.3 ms each for GPT-2-small's LM head on an H200 against 0.4 ms aligned
+(BENCHMARKS.md, fourth run). Inductor's pad_mm fixes this in the non-private
+step, but dp_fsdp turns it off: it rewrites the joint graph before the dp
+passes see it, and its shape checks skip the unbacked batch size. This pass
+runs after the dp rewrite, on every contraction, and pads only static
+sizes.
+
+Exactness: zeros appended to the contracted dim add exact zero products;
+rows or columns appended to an output are sliced off again. The per-sample
+norms and the clipped gradients are bit-for-bit the same sums.
+
+An operand that is a transpose or permute of another node is padded at its
+base and permuted again, so one padded copy serves every contraction that
+reads the same tensor (an LM head's output gradient feeds the input gradient,
+the weight gradient and the norm Gram).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dpcompile.fx_utils import GraphBuilder
+from .context import DPPassContext
+
+aten = torch.ops.aten
+# The devices whose GEMM libraries want aligned sizes (the CPU tests add "cpu").
+PAD_DEVICES = ("cuda",)
+# Elements per 16 bytes for the dtypes cuBLAS runs on tensor cores.
+ALIGNMENT = {torch.bfloat16: 8, torch.float16: 8}
+_TF32_ALIGNMENT = 4
+_PERMUTES = (aten.permute.default, aten.t.default, aten.transpose.int)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# mat1, mat2 at args 0, 1; addmm (bias first) is handled apart
+_CONTRACTIONS = {getattr(op, name) for op in (aten.mm, aten.bmm) for name in ("default", "dtype") if hasattr(op, name)}
+
+
+def _alignment(dtype: torch.dtype) -> int:
+    if dtype in ALIGNMENT:
+        return ALIGNMENT[dtype]
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return _TF32_ALIGNMENT  # TF32 tensor cores
+    return 0
+
+
+def _extra(size, align: int) -> int:
+    """How many zeros make a static ``size`` a multiple of ``align`` (symbolic sizes: none)."""
+    if not isinstance(size, int) or align == 0 or size <= 1 or size % align == 0:
+        return 0
+    return -size % align
+
+
+def _permutation(node: fx.Node) -> list[int] | None:
+    """The dim order of a permute/t/transpose node (output dim i reads input dim perm[i])."""
+    nd = node.meta["val"].dim()
+    if node.target is aten.permute.default:
+        return [d % nd for d in node.args[1]]
+    if node.target is aten.t.default:
+        return [1, 0] if nd == 2 else [0]
+    d0, d1 = (d % nd for d in node.args[1:3])
+    perm = list(range(nd))
+    perm[d0], perm[d1] = d1, d0
+    return perm
+
+
+class _Padder:
+    def __init__(self, gm: fx.GraphModule):
+        self.b = GraphBuilder(gm.graph, tag=None)
+        self.cache: dict[tuple[fx.Node, int, int], fx.Node] = {}
+        self.created: list[fx.Node] = []
+
+    def drop_unused(self) -> None:
+        """Intermediate views of padded bases that no contraction ended up reading."""
+        kept = []
+        for n in reversed(self.created):
+            if n.users:
+                kept.append(n)
+            else:
+                n.graph.erase_node(n)
+        self.created = kept[::-1]
+
+    def pad(self, x: fx.Node, dim: int, extra: int) -> fx.Node:
+        nd = x.meta["val"].dim()
+        dim %= nd
+        key = (x, dim, extra)
+        if key in self.cache:
+            return self.cache[key]
+        base_dim = self._base_dim(x, dim)
+        if base_dim is not None:  # pad the tensor this one is a view of, and view that again
+            padded_base = self.pad(x.args[0], base_dim, extra)
+            args = list(x.args[1:])
+            if x.target in _VIEWS:
+                args[0] = [*args[0][:dim], args[0][dim] + extra, *args[0][dim + 1:]]
+            self._like(x)
+            out = self.b.call(x.target, padded_base, *args)
+        else:
+            self._like(x)
+            out = self.b.call(aten.constant_pad_nd.default, x, [0, 0] * (nd - 1 - dim) + [0, extra], 0.0)
+        self.cache[key] = out
+        self.created.append(out)
+        return out
+
+    @staticmethod
+    def _base_dim(x: fx.Node, dim: int) -> int | None:
+        """The dim of x's base that x's ``dim`` is, when x is a permute or a view that keeps it whole."""
+        if x.op != "call_function" or not isinstance(x.args[0], fx.Node):
+            return None
+        if x.target in _PERMUTES:
+            return _permutation(x)[dim]
+        if x.target in _VIEWS and isinstance(x.args[1][dim], int) and x.args[1][dim] == x.meta["val"].shape[dim]:
+            # a view that only regroups the dims before ``dim``: [B*T, V] <-> [B, T, V]
+            shape, base_shape = x.meta["val"].shape, x.args[0].meta["val"].shape
+            tail = len(shape) - dim
+            if tail <= len(base_shape) and all(
+                isinstance(a, int) and isinstance(b, int) and a == b for a, b in zip(shape[dim:], base_shape[len(base_shape) - tail:])
+            ):
+                return len(base_shape) - tail
+        return None
+
+    def _like(self, x: fx.Node) -> None:
+        # new nodes belong where the tensor they pad was made (forward or backward)
+        self.b.meta_source = x
+        self.b.tag = x.meta.get("partitioner_tag")
+
+
+def _sizes(node: fx.Node):
+    """(mat1, mat2, M, K, N) of mm/bmm/addmm-like nodes; ``None`` for others."""
+    t = node.target
+    if t in _CONTRACTIONS:
+        a, b = node.args[0], node.args[1]
+    elif t is aten.addmm.default:
+        a, b = node.args[1], node.args[2]
+    else:
+        return None
+    sa, sb = a.meta["val"].shape, b.meta["val"].shape
+    return a, b, sa[-2], sa[-1], sb[-1]
+
+
+def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    padder = _Padder(gm)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        sizes = _sizes(node)
+        if sizes is None:
+            continue
+        a, b, M, K, N = sizes
+        va, vb = a.meta["val"], b.meta["val"]
+        if va.device.type not in PAD_DEVICES or va.dtype != vb.dtype:
+            continue
+        align = _alignment(va.dtype)
+        pm, pk, pn = _extra(M, align), _extra(K, align), _extra(N, align)
+        if not (pm or pk or pn):
+            continue
+        with gm.graph.inserting_before(node):
+            out = _padded_contraction(padder, node, a, b, (pm, pk, pn), (M, N))
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        ctx.counters["contractions_padded"] += 1
+    padder.drop_unused()
+    pads = sum(n.target is aten.constant_pad_nd.default for n in padder.created)
+    if pads:
+        ctx.counters["contraction_operands_padded"] += pads
+    return gm
+
+
+def _padded_contraction(padder: _Padder, node: fx.Node, a: fx.Node, b: fx.Node, extra, out_sizes) -> fx.Node:
+    pm, pk, pn = extra
+    if pk:
+        a, b = padder.pad(a, -1, pk), padder.pad(b, -2, pk)
+    if pm:
+        a = padder.pad(a, -2, pm)
+    if pn:
+        b = padder.pad(b, -1, pn)
+    args = list(node.args)
+    if node.target is aten.addmm.default:
+        args[0] = _pad_bias(padder, args[0], pm, pn)
+        args[1], args[2] = a, b
+    else:
+        args[0], args[1] = a, b
+    padder.b.meta_source = node
+    padder.b.tag = node.meta.get("partitioner_tag")
+    out = padder.b.call(node.target, *args, **node.kwargs)
+    nd = out.meta["val"].dim()
+    if pm:
+        out = padder.b.call(aten.slice.Tensor, out, nd - 2, 0, out_sizes[0])
+    if pn:
+        out = padder.b.call(aten.slice.Tensor, out, nd - 1, 0, out_sizes[1])
+    return out
+
+
+def _pad_bias(padder: _Padder, bias, pm: int, pn: int):
+    """addmm's bias broadcasts to [M, N]: pad the dims it actually has."""
+    if not isinstance(bias, fx.Node):
+        return bias
+    shape = bias.meta["val"].shape
+    if pn and len(shape) >= 1 and shape[-1] != 1:
+        bias = padder.pad(bias, -1, pn)
+    if pm and len(shape) == 2 and shape[0] != 1:
+        bias = padder.pad(bias, -2, pm)
+    return bias

@@ -1,0 +1,75 @@
+"""Contractions with unaligned static sizes are zero-padded after the dp rewrite, and stay exact."""
+import collections
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import models as M
+from dpcompile.passes import aligned_contractions as AC
+from dpcompile.passes.cleanup import finalize
+from helpers import check_against_reference
+
+aten = torch.ops.aten
+
+
+class _Ctx:
+    def __init__(self):
+        self.counters = collections.Counter()
+
+
+def _lm_head_backward(g, w, x):
+    """An LM head's input gradient, weight gradient and per-sample Gram, all contracting over the vocab."""
+    g3 = g.view(2, 8, 13)
+    return torch.mm(g, w), torch.mm(g.t(), x), aten.bmm.dtype(g3, g3.transpose(1, 2), torch.float32)
+
+
+def _trace(device, dtype=torch.bfloat16):
+    with FakeTensorMode():
+        g = torch.empty(16, 13, dtype=dtype, device=device)
+        w = torch.empty(13, 16, dtype=dtype, device=device)
+        x = torch.empty(16, 16, dtype=dtype, device=device)
+        return make_fx(_lm_head_backward)(g, w, x)
+
+
+def test_one_padded_copy_serves_every_contraction_over_the_vocab():
+    gm = _trace("cuda")
+    ctx = _Ctx()
+    gm = finalize(AC.aligned_contractions_pass(gm, ctx))
+    assert ctx.counters["contractions_padded"] == 3
+    # g padded once along the vocab (transposed and viewed for the other two), w once
+    assert ctx.counters["contraction_operands_padded"] == 2
+    pads = gm.graph.find_nodes(op="call_function", target=aten.constant_pad_nd.default)
+    assert sorted(tuple(p.meta["val"].shape) for p in pads) == [(16, 16), (16, 16)]
+    for n in gm.graph.nodes:
+        if n.target in (aten.mm.default, aten.bmm.dtype):
+            assert all(s % 8 == 0 for a in n.args[:2] for s in a.meta["val"].shape[-2:]), n.format_node()
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    assert [tuple(o.meta["val"].shape) for o in outs] == [(16, 16), (13, 16), (2, 8, 8)]
+    assert outs[1].target is aten.slice.Tensor  # the [V, d] weight gradient, sliced back from [16, d]
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), ("cuda", torch.float32)])
+def test_left_alone_where_alignment_does_not_matter(device, dtype):
+    """CPU GEMMs, and fp32 on CUDA without TF32 (no tensor cores), do not need aligned sizes."""
+    assert torch.get_float32_matmul_precision() == "highest"
+    ctx = _Ctx()
+    AC.aligned_contractions_pass(_trace(device, dtype), ctx)
+    assert not ctx.counters
+
+
+def test_padded_contractions_give_the_exact_gradients(monkeypatch):
+    """Forced on for CPU float32 (the CUDA rule is bf16/fp16): odd vocab, width, hidden size and sequence."""
+    monkeypatch.setattr(AC, "PAD_DEVICES", ("cpu",))
+    monkeypatch.setattr(AC, "ALIGNMENT", {torch.float32: 8})
+    torch.manual_seed(0)
+    for schedule in ("bk", "ghost"):
+        model = M.GPT(vocab=13, d=12, n_head=2, n_layer=1, max_t=6, tied=True)
+        ids, y = torch.randint(0, 13, (4, 6)), torch.randint(0, 13, (4, 6))
+        for t in (ids, y):
+            torch._dynamo.decorators.mark_unbacked(t, 0)  # as a sharded step: only static sizes are padded
+        backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule)
+        (record,) = [r for r in backend.compiled if r.dp]
+        assert record.counters["contractions_padded"] >= 8, record.counters
+        torch._dynamo.reset()

@@ -6,6 +6,7 @@
 #   bash benchmarks/scaling.sh llama 8        # Llama-3.2-1B shape, 1, 2, 4 and 8 GPUs
 #   bash benchmarks/scaling.sh gpt 8 small    # only the runs below 8 GPUs
 #   bash benchmarks/scaling.sh gpt 8 large    # only the 8-GPU run
+#   STEP_ARGS="--bucket-mb 64" bash benchmarks/scaling.sh gpt 4   # extra step.py options
 # The runs below the largest size share the host on disjoint GPUs (1: GPU 0,
 # 2: GPUs 2-3, 4: GPUs 4-7 when the host has 8) and run at the same time;
 # the largest run has the host to itself.
@@ -19,7 +20,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 run() {  # run <gpus> <visible devices> <port>
   local n=$1 vis=$2 port=$3
   CUDA_VISIBLE_DEVICES=$vis ${PYTHON:-python3} -m torch.distributed.run --nproc_per_node="$n" --master_port="$port" \
-    benchmarks/step.py --model "$model" --out "$out/${model}_${n}gpu.json" --profile "$out/profile_${model}_${n}gpu" \
+    benchmarks/step.py --model "$model" --out "$out/${model}_${n}gpu.json" --profile "$out/profile_${model}_${n}gpu" ${STEP_ARGS:-} \
     > "$out/${model}_${n}gpu.log" 2>&1
 }
 sizes=()

@@ -37,8 +37,10 @@ def shard(model, mesh, reshard_after_forward=True):
 
 
 def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward, out_dir=None,
-                mesh_shape=None, pad_contractions=False):
+                mesh_shape=None, pad_contractions=False, bucket_mb=None):
     mesh = _init(rank, world, init_file, mesh_shape)
+    if bucket_mb:  # Inductor's collective bucketing, as a user would turn it on
+        dpcompile.bucket_collectives(bucket_mb)
     if pad_contractions:  # the CUDA padding rule, forced on for CPU float32
         from dpcompile.passes import aligned_contractions
 
@@ -65,7 +67,13 @@ def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_for
         return loss.detach()
 
     dpcompile.mark_batch(local)
-    torch.compile(step, backend=backend)(local, local)
+    compiled = torch.compile(step, backend=backend)
+    compiled(local, local)
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(local, local)  # the compiled step only: which collectives it issues
+    issued = {kind: sum(e.count for e in prof.key_averages() if e.key == f"_c10d_functional::{kind}")
+              for kind in ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor")}
     for name, p in model.named_parameters():
         assert isinstance(p.grad, torch.distributed.tensor.DTensor), name
         full = p.grad.full_tensor()
@@ -82,7 +90,7 @@ def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_for
 
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"counts": counts, "n_params": n_params, "n_linear": n_linear, "counters": rec.counters,
-                       "summary_collectives": rec.summary["collectives"]}, f)
+                       "summary_collectives": rec.summary["collectives"], "issued": issued}, f)
     dist.destroy_process_group()
 
 

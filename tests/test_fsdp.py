@@ -42,6 +42,7 @@ def test_two_ranks_match_single_process_reference(case, schedule, tmp_path):
         assert phases["backward_before_clip"].get("reduce_scatters", 0) == 0  # none before the clip
         assert phases["backward_after_clip"]["reduce_scatters"] == n
         assert rep["counters"]["collective_waits_deferred"] == n - 1  # comm_overlap
+        assert rep["issued"]["reduce_scatter_tensor"] == n  # as run: one per gradient
         # the reduce-scatter issued before each weight gradient's GEMM stays in flight under it
         assert phases["backward_overlap"]["reduce_scatters_under_a_gemm"] >= rep["n_linear"] - 1, phases
         if schedule == "ghost":
@@ -55,6 +56,19 @@ def test_padded_contractions_on_a_sharded_model(tmp_path):
     for rep in _read(tmp_path):
         assert rep["counters"]["contractions_padded"] >= 8, rep["counters"]
         assert 0 < rep["counts"]["backward"]["all_gather"] <= rep["n_params"]
+
+
+@pytest.mark.parametrize("case,schedule", [("gpt", "bk"), ("llama", "ghost")])
+def test_bucketed_collectives_stay_exact(case, schedule, tmp_path):
+    """dpcompile.bucket_collectives: Inductor merges the gathers and the clipped gradients' reduce-scatters
+    after the dp rewrite; the gradients stay exact and far fewer collectives are issued."""
+    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, 64)
+    for rep in _read(tmp_path):
+        n, issued = rep["n_params"], rep["issued"]
+        assert 0 < issued["reduce_scatter_tensor"] < n / 4, issued
+        gathers = issued["all_gather_into_tensor"] + issued["all_gather_into_tensor_out"]
+        assert 0 < gathers < n / 4, issued
+        assert rep["summary_collectives"]["backward_before_clip"].get("reduce_scatters", 0) == 0
 
 
 def test_reshard_after_forward_false_keeps_gathered_params(tmp_path):

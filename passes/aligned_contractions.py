@@ -157,7 +157,14 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Grap
             continue
         with gm.graph.inserting_before(node):
             out = _padded_contraction(padder, node, a, b, (pm, pk, pn), (M, N))
+            # a slice across the padded columns (or rows of a bmm) is strided; collectives and graph
+            # outputs get a contiguous copy (collectives need it, callers expect eager's strides)
+            strict = [u for u in node.users if u.op == "output" or _is_collective(u)]
+            dense = padder.b.call(aten.clone.default, out, memory_format=torch.contiguous_format) if strict and (
+                pn or (pm and out.meta["val"].dim() == 3)) else out
         node.replace_all_uses_with(out)
+        for u in strict:
+            u.replace_input_with(out, dense)
         gm.graph.erase_node(node)
         ctx.counters["contractions_padded"] += 1
     padder.drop_unused()
@@ -165,6 +172,10 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Grap
     if pads:
         ctx.counters["contraction_operands_padded"] += pads
     return gm
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional"
 
 
 def _padded_contraction(padder: _Padder, node: fx.Node, a: fx.Node, b: fx.Node, extra, out_sizes) -> fx.Node:

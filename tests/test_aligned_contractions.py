@@ -73,3 +73,17 @@ def test_padded_contractions_give_the_exact_gradients(monkeypatch):
         (record,) = [r for r in backend.compiled if r.dp]
         assert record.counters["contractions_padded"] >= 8, record.counters
         torch._dynamo.reset()
+
+
+def test_strided_results_reach_outputs_contiguous():
+    """A column slice of a padded result is strided: a graph output (or a collective) gets a dense copy."""
+    with FakeTensorMode():
+        x = torch.empty(16, 13, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(13, 13, dtype=torch.bfloat16, device="cuda")
+        gm = make_fx(lambda x, w: (torch.mm(x, w), torch.mm(x, w).sum(0)))(x, w)
+    ctx = _Ctx()
+    gm = finalize(AC.aligned_contractions_pass(gm, ctx))
+    assert ctx.counters["contractions_padded"] == 2
+    first, second = gm.graph.find_nodes(op="output")[0].args[0]
+    assert first.target is aten.clone.default and first.meta["val"].is_contiguous()
+    assert second.args[0].target is aten.slice.Tensor  # the sum reads the strided slice as it is

@@ -51,8 +51,9 @@ def test_two_ranks_match_single_process_reference(case, schedule, tmp_path):
 
 
 def test_padded_contractions_on_a_sharded_model(tmp_path):
-    """Odd vocab and sequence padded inside the sharded graph: still exact, weights still re-gathered."""
-    spawn(dist_worker.correctness, "gpt", "bk", [3, 2], True, str(tmp_path), None, True)
+    """Odd widths, vocab and sequence padded inside the sharded graph (column-sliced weight gradients feed
+    reduce-scatters): still exact, weights still re-gathered."""
+    spawn(dist_worker.correctness, "gpt_odd", "bk", [3, 2], True, str(tmp_path), None, True)
     for rep in _read(tmp_path):
         assert rep["counters"]["contractions_padded"] >= 8, rep["counters"]
         assert 0 < rep["counts"]["backward"]["all_gather"] <= rep["n_params"]

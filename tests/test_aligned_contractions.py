@@ -10,6 +10,7 @@ import models as M
 from dpcompile.passes import aligned_contractions as AC
 from dpcompile.passes.cleanup import finalize
 from helpers import check_against_reference
+from test_per_sample_clipping import CASES
 
 aten = torch.ops.aten
 
@@ -87,3 +88,17 @@ def test_strided_results_reach_outputs_contiguous():
     first, second = gm.graph.find_nodes(op="output")[0].args[0]
     assert first.target is aten.clone.default and first.meta["val"].is_contiguous()
     assert second.args[0].target is aten.slice.Tensor  # the sum reads the strided slice as it is
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_layer_kind_stays_exact_when_padded(case, schedule, monkeypatch):
+    """Every layer kind of the clipping tests, with their odd sizes (3, 5, 6, 11, 13) padded to 8."""
+    monkeypatch.setattr(AC, "PAD_DEVICES", ("cpu",))
+    monkeypatch.setattr(AC, "ALIGNMENT", {torch.float32: 8})
+    make_model, make_data, loss = CASES[case]
+    torch.manual_seed(0)
+    inputs, targets = make_data(4)
+    backend = check_against_reference(make_model(), loss, inputs, targets, schedule=schedule)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["contractions_padded"] > 0, record.counters

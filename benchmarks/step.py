@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=4 benchmarks/step.py --model llama  # Llama-3.2-1B shape
     python benchmarks/step.py --tiny                              # CPU smoke run (gloo, 1 rank)
     python benchmarks/step.py --tiny --model llama
-    torchrun --nproc_per_node=4 benchmarks/step.py --bucket-mb 64  # bucketed collectives, every mode
+    torchrun --nproc_per_node=4 benchmarks/step.py --bucket-mb 64 [--overlap]  # bucketed collectives
 
 Every mode uses the same model, the same fully_shard sharding and mixed
 precision (fp32 parameters, bf16 compute, fp32 gradient reduction); only the
@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="directory for one profiled step per mode")
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="dpcompile.bucket_collectives(MiB) for every mode (non-private too); default: unbucketed")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --bucket-mb: also Inductor's compute/communication reordering (every mode)")
     args = ap.parse_args(argv)
     shape = {"gpt": dict(layers=12, d=768, heads=12, vocab=50257),  # GPT-2 small
              "llama": dict(layers=16, d=2048, heads=32, vocab=128256)}[args.model]  # Llama-3.2-1B
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (world,))
     if args.bucket_mb:
-        dpcompile.bucket_collectives(args.bucket_mb)
+        dpcompile.bucket_collectives(args.bucket_mb, overlap=args.overlap)
     results = [run_mode(m, args, mesh, device, world) for m in args.modes.split(",")]
     base = next((r for r in results if r["mode"] == "nonprivate"), None)
     for r in results:

@@ -30,19 +30,25 @@ class _BucketCap:
         return self.mb
 
 
-def bucket_collectives(bucket_mb: float | None = 64.0) -> None:
+def bucket_collectives(bucket_mb: float | None = 64.0, *, overlap: bool = False) -> None:
     """Merge the in-graph all-gathers, reduce-scatters and all-reduces of every graph compiled from now on
     into buckets of at most ``bucket_mb`` MiB each; ``None`` turns bucketing off again.
 
     A bucket's all-gather runs before the first parameter in it is needed and
     keeps every parameter in it gathered until its last use, so a larger cap
-    means fewer collectives and more memory held. Graphs compiled before the
-    call keep their collectives (``torch._dynamo.reset()`` recompiles).
+    means fewer collectives and more memory held. ``overlap=True`` also turns
+    on Inductor's compute/communication reordering (collectives issued
+    earlier, waits sunk to the first use), so a gather can run under the
+    previous layer's compute. Graphs compiled before the call keep their
+    collectives (``torch._dynamo.reset()`` recompiles).
     """
     from torch._inductor import config
 
+    if not isinstance(overlap, bool):
+        raise ValueError(f"bucket_collectives: overlap must be True or False, got {overlap!r}")
     if bucket_mb is None:
         config.bucket_all_gathers_fx = config.bucket_reduce_scatters_fx = config.bucket_all_reduces_fx = "none"
+        config.reorder_for_compute_comm_overlap = False
         return
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not (0 < bucket_mb < math.inf):
         raise ValueError(f"bucket_collectives: bucket_mb must be a positive number of MiB or None, got {bucket_mb!r}")
@@ -51,3 +57,4 @@ def bucket_collectives(bucket_mb: float | None = 64.0) -> None:
     config.bucket_all_gathers_fx_bucket_size_determinator = cap
     config.bucket_reduce_scatters_fx_bucket_size_determinator = cap
     config.bucket_all_reduces_fx_bucket_size_determinator = cap
+    config.reorder_for_compute_comm_overlap = overlap

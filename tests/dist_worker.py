@@ -39,10 +39,10 @@ def shard(model, mesh, reshard_after_forward=True):
 
 
 def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward, out_dir=None,
-                mesh_shape=None, pad_contractions=False, bucket_mb=None):
+                mesh_shape=None, pad_contractions=False, bucket_mb=None, overlap=False):
     mesh = _init(rank, world, init_file, mesh_shape)
     if bucket_mb:  # Inductor's collective bucketing, as a user would turn it on
-        dpcompile.bucket_collectives(bucket_mb)
+        dpcompile.bucket_collectives(bucket_mb, overlap=overlap)
     if pad_contractions:  # the CUDA padding rule, forced on for CPU float32
         from dpcompile.passes import aligned_contractions
 

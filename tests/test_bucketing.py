@@ -22,7 +22,13 @@ def test_bucketing_on_and_off():
         cap = config.bucket_reduce_scatters_fx_bucket_size_determinator
         assert cap(0) == cap(7) == 16.0
         assert pickle.loads(pickle.dumps(cap)) == cap  # part of Inductor's cache key
+        assert config.reorder_for_compute_comm_overlap is False
+        dpcompile.bucket_collectives(16, overlap=True)
+        assert config.reorder_for_compute_comm_overlap is True
+        with pytest.raises(ValueError, match="overlap must be True or False"):
+            dpcompile.bucket_collectives(16, overlap="yes")
     finally:
         dpcompile.bucket_collectives(None)
     assert (config.bucket_all_gathers_fx, config.bucket_reduce_scatters_fx, config.bucket_all_reduces_fx) == (
         "none", "none", "none")
+    assert config.reorder_for_compute_comm_overlap is False

@@ -59,11 +59,12 @@ def test_padded_contractions_on_a_sharded_model(tmp_path):
         assert 0 < rep["counts"]["backward"]["all_gather"] <= rep["n_params"]
 
 
-@pytest.mark.parametrize("case,schedule", [("gpt", "bk"), ("llama", "ghost")])
-def test_bucketed_collectives_stay_exact(case, schedule, tmp_path):
+@pytest.mark.parametrize("case,schedule,overlap", [("gpt", "bk", False), ("llama", "ghost", True)])
+def test_bucketed_collectives_stay_exact(case, schedule, overlap, tmp_path):
     """dpcompile.bucket_collectives: Inductor merges the gathers and the clipped gradients' reduce-scatters
-    after the dp rewrite; the gradients stay exact and far fewer collectives are issued."""
-    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, 64)
+    after the dp rewrite (and with overlap, reorders them against compute); the gradients stay exact and
+    far fewer collectives are issued."""
+    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, 64, overlap)
     for rep in _read(tmp_path):
         n, issued = rep["n_params"], rep["issued"]
         assert 0 < issued["reduce_scatter_tensor"] < n / 4, issued

@@ -35,6 +35,7 @@ def _locate_passes() -> None:
 
 _locate_passes()
 
+from dpcompile.accounting import RDPAccountant  # noqa: E402
 from dpcompile.batching import mark_batch, mark_step_inputs  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
@@ -42,10 +43,12 @@ from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.errors import DPCompileError  # noqa: E402
 from dpcompile.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from dpcompile.sampling import PoissonBatchSampler  # noqa: E402
 
 __all__ = [
     "DPBackend", "DPCompileError", "MixedPrecisionPolicy", "fully_shard", "DPConfig", "CompiledStep", "dump_graphs",
-    "get_backend", "mark_batch", "private_step", "dp_fsdp", "bucket_collectives",
+    "get_backend", "mark_batch", "private_step", "dp_fsdp", "bucket_collectives", "RDPAccountant",
+    "PoissonBatchSampler",
 ]
 
 

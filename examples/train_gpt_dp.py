@@ -3,8 +3,11 @@
     python examples/train_gpt_dp.py            # CPU (Inductor C++), under a minute
     python examples/train_gpt_dp.py --device cuda --layers 12 --d 768 --steps 50
 
-Prints the loss and the step time. Data are random token sequences (the
-point is the mechanics and the speed, not the model).
+Batches are Poisson samples of a fixed dataset of random token sequences
+(the point is the mechanics and the speed, not the model), so their size
+varies around --batch; one compiled graph serves every size. Prints the loss,
+the step time, and the privacy spent (epsilon at --delta) from the RDP
+accountant.
 """
 from __future__ import annotations
 
@@ -57,7 +60,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="expected batch size (Poisson sampling)")
+    ap.add_argument("--dataset-size", type=int, default=1024)
+    ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--d", type=int, default=64)
@@ -86,22 +91,31 @@ def main(argv=None) -> int:
 
     print(f"dpcompile example: {sum(p.numel() for p in model.parameters()):,} parameters on {dev}, "
           f"schedule={args.schedule}, C={args.max_grad_norm}, sigma={args.noise_multiplier}")
-    for step in range(args.steps):
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev)
+    data = torch.randint(0, args.vocab, (args.dataset_size, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    rate = args.batch / args.dataset_size
+    sampler = dpcompile.PoissonBatchSampler(args.dataset_size, sample_rate=rate, steps=args.steps, seed=1)
+    accountant = dpcompile.RDPAccountant(noise_multiplier=args.noise_multiplier, sample_rate=rate)
+    for step, idx in enumerate(sampler):
+        ids = data[idx].to(dev)
+        x, y = ids[:, :-1], ids[:, 1:]
+        dpcompile.mark_batch(x, y)  # one graph for every batch size, empty batches included
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = train_step(ids[:, :-1], ids[:, 1:])
+        loss = train_step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        accountant.step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        print(f"step {step:3d}  loss {loss.item():.4f}  step time {dt * 1e3:8.1f} ms"
+        print(f"step {step:3d}  batch {len(idx):3d}  loss {loss.item():.4f}  step time {dt * 1e3:8.1f} ms"
               + ("  (includes compile)" if step == 0 else ""))
-        if not math.isfinite(loss.item()):
+        if idx and not math.isfinite(loss.item()):  # an empty batch's mean loss is nan
             print("loss is not finite", file=sys.stderr)
             return 1
+    print(f"privacy spent: epsilon = {accountant.epsilon(args.delta):.3f} at delta = {args.delta} after "
+          f"{accountant.steps} steps (sample rate {rate:.4g}, noise multiplier {args.noise_multiplier})")
     rec = train_step.dp_backend.compiled[0]
     print("rewrite counters:", {k: v for k, v in sorted(rec.counters.items())})
     if args.dump_dir:

@@ -1,0 +1,68 @@
+"""Poisson sampling of batches, the sampling the privacy accounting assumes.
+
+Every step each example joins the global batch independently with
+probability ``sample_rate``, so batch sizes vary and may be zero (the
+sharded step handles both). With several ranks every rank draws the same
+global batch from the shared seed and keeps the examples whose index falls
+to it (index % world_size == rank): the ranks' batches are disjoint and
+together are exactly one Poisson sample.
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Iterator
+
+import torch
+
+_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) over the generator's seed space
+
+
+class PoissonBatchSampler:
+    """A ``batch_sampler`` for ``torch.utils.data.DataLoader``: ``steps`` batches of dataset indices.
+
+    ``seed`` must be the same on every rank (and kept secret, like the noise
+    seed); with one rank, None draws one from the OS. ``start_step`` resumes
+    a run: step t's batch depends only on (seed, t).
+    """
+
+    def __init__(self, num_samples: int, *, sample_rate: float, steps: int, seed: int | None = None,
+                 rank: int = 0, world_size: int = 1, start_step: int = 0):
+        def count(x, name, low):
+            if isinstance(x, bool) or not isinstance(x, int) or x < low:
+                raise ValueError(f"PoissonBatchSampler: {name} must be an int >= {low}, got {x!r}")
+
+        count(num_samples, "num_samples", 1)
+        count(steps, "steps", 0)
+        count(world_size, "world_size", 1)
+        count(start_step, "start_step", 0)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"PoissonBatchSampler: rank must be an int in [0, world_size), got {rank!r}")
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+            raise ValueError(f"PoissonBatchSampler: sample_rate must be in (0, 1], got {sample_rate!r}")
+        if seed is None:
+            if world_size > 1:
+                raise ValueError("PoissonBatchSampler: with several ranks pass the same seed on every rank, so they "
+                                 "draw the same global batch")
+            seed = secrets.randbits(63)
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"PoissonBatchSampler: seed must be an int or None, got {seed!r}")
+        self.num_samples, self.sample_rate, self.steps = num_samples, float(sample_rate), steps
+        self.seed, self.rank, self.world_size, self.start_step = seed, rank, world_size, start_step
+
+    @property
+    def expected_batch_size(self) -> float:
+        """Of the global batch: what ``expected_batch_size`` of the dp_fsdp options should be."""
+        return self.sample_rate * self.num_samples
+
+    def batch(self, step: int) -> list[int]:
+        """This rank's part of step ``step``'s global batch."""
+        g = torch.Generator().manual_seed((self.seed * _MIX + step) % (1 << 63))
+        chosen = (torch.rand(self.num_samples, generator=g) < self.sample_rate).nonzero().flatten()
+        return chosen[chosen % self.world_size == self.rank].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for t in range(self.start_step, self.steps):
+            yield self.batch(t)
+
+    def __len__(self) -> int:
+        return max(self.steps - self.start_step, 0)

@@ -114,9 +114,8 @@ class _Padder:
             # a view that only regroups the dims before ``dim``: [B*T, V] <-> [B, T, V]
             shape, base_shape = x.meta["val"].shape, x.args[0].meta["val"].shape
             tail = len(shape) - dim
-            if tail <= len(base_shape) and all(
-                isinstance(a, int) and isinstance(b, int) and a == b for a, b in zip(shape[dim:], base_shape[len(base_shape) - tail:])
-            ):
+            kept = zip(shape[dim:], base_shape[len(base_shape) - tail:])
+            if tail <= len(base_shape) and all(isinstance(a, int) and isinstance(b, int) and a == b for a, b in kept):
                 return len(base_shape) - tail
         return None
 

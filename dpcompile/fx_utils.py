@@ -171,6 +171,10 @@ class GraphBuilder:
                     node.meta[k] = self.meta_source.meta[k]
         if self.tag:
             node.meta["partitioner_tag"] = self.tag
+        if isinstance(target, torch._ops.OpOverload):
+            # what AOTAutograd records for traced nodes; Inductor names kernels after it, so the DP
+            # kernels show up in profiles as e.g. triton_red_fused_mul_sum, not triton_red_fused_12
+            node.meta["original_aten"] = target
         node.meta["dpcompile"] = True
         self.added += 1
         return node

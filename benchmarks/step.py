@@ -165,6 +165,8 @@ def main(argv=None) -> int:
                     help="dpcompile.bucket_collectives(MiB) for every mode (non-private too); default: unbucketed")
     ap.add_argument("--overlap", action="store_true",
                     help="with --bucket-mb: also Inductor's compute/communication reordering (every mode)")
+    ap.add_argument("--combo-kernels", action="store_true",
+                    help="Inductor combo kernels (independent small kernels launched as one), every mode")
     args = ap.parse_args(argv)
     shape = {"gpt": dict(layers=12, d=768, heads=12, vocab=50257),  # GPT-2 small
              "llama": dict(layers=16, d=2048, heads=32, vocab=128256)}[args.model]  # Llama-3.2-1B
@@ -186,6 +188,8 @@ def main(argv=None) -> int:
     mesh = init_device_mesh(device.type, (world,))
     if args.bucket_mb:
         dpcompile.bucket_collectives(args.bucket_mb, overlap=args.overlap)
+    if args.combo_kernels:  # the DP step launches ~2x the kernels; a launch-bound step may gain from fewer
+        torch._inductor.config.combo_kernels = True
     results = [run_mode(m, args, mesh, device, world) for m in args.modes.split(",")]
     base = next((r for r in results if r["mode"] == "nonprivate"), None)
     for r in results:

@@ -26,6 +26,8 @@ import os
 import tempfile
 from typing import Any, Sequence
 
+from dpcompile.config import _is_real
+
 DEFAULT_ORDERS: tuple[int, ...] = tuple(range(2, 257))
 
 
@@ -68,7 +70,7 @@ def epsilon_from_rdp(rdp: Sequence[float], orders: Sequence[int], delta: float) 
 
 def _check_rate_and_noise(noise_multiplier: Any, sample_rate: Any) -> None:
     def real(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        return _is_real(x) and math.isfinite(x)
 
     if not real(noise_multiplier) or noise_multiplier < 0:
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
@@ -126,7 +128,7 @@ class RDPAccountant:
         ]
 
     def epsilon(self, delta: float) -> float:
-        if not isinstance(delta, (int, float)) or isinstance(delta, bool) or not 0 < delta < 1:
+        if not _is_real(delta) or not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
         return epsilon_from_rdp(self.rdp(), self.orders, delta)[0]
 

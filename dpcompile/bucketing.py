@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dpcompile.config import _is_real
+
 
 @dataclasses.dataclass(frozen=True)
 class _BucketCap:
@@ -50,7 +52,7 @@ def bucket_collectives(bucket_mb: float | None = 64.0, *, overlap: bool = False)
         config.bucket_all_gathers_fx = config.bucket_reduce_scatters_fx = config.bucket_all_reduces_fx = "none"
         config.reorder_for_compute_comm_overlap = False
         return
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not (0 < bucket_mb < math.inf):
+    if not _is_real(bucket_mb) or not (0 < bucket_mb < math.inf):
         raise ValueError(f"bucket_collectives: bucket_mb must be a positive number of MiB or None, got {bucket_mb!r}")
     cap = _BucketCap(float(bucket_mb))
     config.bucket_all_gathers_fx = config.bucket_reduce_scatters_fx = config.bucket_all_reduces_fx = "all"

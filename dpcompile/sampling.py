@@ -14,6 +14,8 @@ from typing import Iterator
 
 import torch
 
+from dpcompile.config import _is_real
+
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) over the generator's seed space
 
 
@@ -37,7 +39,7 @@ class PoissonBatchSampler:
         count(start_step, "start_step", 0)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"PoissonBatchSampler: rank must be an int in [0, world_size), got {rank!r}")
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+        if not _is_real(sample_rate) or not 0 < sample_rate <= 1:
             raise ValueError(f"PoissonBatchSampler: sample_rate must be in (0, 1], got {sample_rate!r}")
         if seed is None:
             if world_size > 1:

@@ -120,7 +120,7 @@ class _Padder:
         return None
 
     def _like(self, x: fx.Node) -> None:
-        # new nodes belong where the tensor they pad was made (forward or backward)
+        # new nodes belong where the node they stand in for was made (forward or backward)
         self.b.meta_source = x
         self.b.tag = x.meta.get("partitioner_tag")
 
@@ -191,8 +191,7 @@ def _padded_contraction(padder: _Padder, node: fx.Node, a: fx.Node, b: fx.Node, 
         args[1], args[2] = a, b
     else:
         args[0], args[1] = a, b
-    padder.b.meta_source = node
-    padder.b.tag = node.meta.get("partitioner_tag")
+    padder._like(node)
     out = padder.b.call(node.target, *args, **node.kwargs)
     nd = out.meta["val"].dim()
     if pm:

@@ -36,9 +36,10 @@ def _locate_passes() -> None:
 _locate_passes()
 
 from dpcompile.accounting import RDPAccountant  # noqa: E402
-from dpcompile.batching import mark_batch, mark_step_inputs  # noqa: E402
+from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
+from dpcompile.compat import size_oblivious_nll_loss_nd  # noqa: E402
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.errors import DPCompileError  # noqa: E402
@@ -66,12 +67,6 @@ def private_step(fn: Callable | None = None, **options: Any):
 
         @functools.wraps(f)
         def step(*args, **kwargs):
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                # ranks hold different batch sizes: one graph for all of them,
-                # tuned for the expected per-rank batch (the same on every rank)
-                ebs = backend.config.expected_batch_size
-                hint = max(2, -(-int(ebs) // torch.distributed.get_world_size())) if ebs else None
-                mark_step_inputs(f, args, kwargs, backend.config, hint)
             before = backend.calls
             # past dynamo's recompile limit the step would run eagerly: no DP
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -109,3 +104,4 @@ def _register_if_missing() -> None:
 
 
 _register_if_missing()
+size_oblivious_nll_loss_nd()  # see dpcompile.compat

@@ -26,6 +26,7 @@ from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
+from dpcompile.step_split import Split, describe_split, split_error_text
 
 SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
 
@@ -112,20 +113,37 @@ def check_sharding(inputs: list[GraphInput], example_inputs) -> None:
             f"apply dpcompile.fully_shard to every block and then to the root module (it shards whatever "
             f"parameters are left), so each gradient is reduced across ranks exactly once"
         )
-    meshes = {id(ex.device_mesh): (gi.name, ex.device_mesh) for gi, ex in sharded}
+    # by value: equal meshes built twice (or copied by tracing) are one mesh
+    meshes: list[tuple[str, Any]] = []
+    for gi, ex in sharded:
+        if not any(ex.device_mesh == mesh for _, mesh in meshes):
+            meshes.append((gi.name, ex.device_mesh))
     if len(meshes) > 1:
-        desc = "; ".join(f"{name} on {mesh}" for name, mesh in meshes.values())
+        desc = "; ".join(f"{name} on {mesh}" for name, mesh in meshes)
         raise DPValueError(f"dp_fsdp: parameters live on different device meshes ({desc}); shard all of them "
                            f"with fully_shard(..., mesh=<one mesh>)")
+
+
+def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split: Split | None) -> None:
+    """A batched input that requires grad makes the graph a piece of a longer autograd computation (a step
+    split by a graph break, a model whose hooks run outside the graph): the gradients it passes back out
+    would reach parameters without per-sample clipping."""
+    for gi, ex in zip(inputs, example_inputs):
+        if gi.kind == "data" and gi.batch_dim is not None and isinstance(ex, torch.Tensor) and ex.requires_grad:
+            raise DPCompileError(split_error_text(split, (
+                f"its input '{gi.name}' requires grad: gradients computed here would flow on to whatever "
+                f"produced it, outside the per-sample clipping. Pass data detached (e.g. x.detach()) and "
+                f"compute everything that needs gradients inside the compiled step.")))
 
 
 class DPPartitioner(CustomPartitionerFn):
     """Runs the dp passes on the joint graph, then Inductor's min-cut partitioner."""
 
-    def __init__(self, backend: "DPBackend", record: CompiledStep, dumper: GraphDumper):
+    def __init__(self, backend: "DPBackend", record: CompiledStep, dumper: GraphDumper, split: "Split | None" = None):
         self.backend = backend
         self.record = record
         self.dumper = dumper
+        self.split = split  # describe_split of the dynamo graph: why it may be only part of the step
 
     def uuid(self):
         return None  # never serve a cached artifact compiled under other DP options
@@ -228,7 +246,7 @@ class DPPartitioner(CustomPartitionerFn):
             config=cfg, params=params, data_inputs=data,
             seeds_input_index=placeholders.index(seeds_node) if seeds_node is not None else None,
             num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id, reshard_primals=reshard,
-            sharded=any(gi.sharded for gi in inputs),
+            sharded=any(gi.sharded for gi in inputs), split_step=self.split,
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx
@@ -373,10 +391,12 @@ class DPBackend:
             record.dp = False
             return compile_fx(gm, example_inputs)
 
+        split = describe_split(gm)
+        refuse_inputs_with_gradients(inputs, example_inputs, split)
         device = next(ex.device for ex, gi in zip(example_inputs, inputs) if gi.kind == "param")
         seeds_example = self.noise.example(len(inputs), device)
         gm = _with_seeds_input(gm, seeds_example)
-        part = DPPartitioner(self, record, dumper)
+        part = DPPartitioner(self, record, dumper, split)
         compiled = compile_fx(gm, [*example_inputs, seeds_example], config_patches={
             "custom_partitioner_fn": part,
             # pad_mm pads and re-slices contractions in the joint graph; the
@@ -451,6 +471,32 @@ def get_backend(options: dict[str, Any] | DPConfig) -> DPBackend:
         if cfg not in _BACKENDS:
             _BACKENDS[cfg] = DPBackend(cfg)
         return _BACKENDS[cfg]
+
+
+def backend_of(compiler_fn: Any) -> DPBackend | None:
+    """The DPBackend that dynamo's compiler function for a frame leads to, or None.
+
+    Dynamo wraps the backend (repro wrapper, then torch.compile's wrapper
+    holding ``options``): ``backend="dp_fsdp", options=...`` and
+    ``backend=DPBackend(...)`` (``private_step``) both lead here.
+    """
+    fn, options = compiler_fn, None
+    for _ in range(8):
+        if isinstance(fn, DPBackend):
+            return fn
+        if fn is dp_fsdp:
+            try:
+                return get_backend(options) if options else None
+            except ValueError:
+                return None  # the compile itself reports bad options
+        if hasattr(fn, "_torchdynamo_orig_backend"):
+            fn = fn._torchdynamo_orig_backend
+        elif hasattr(fn, "compiler_fn"):
+            options = getattr(fn, "kwargs", {}).get("options", options)
+            fn = fn.compiler_fn
+        else:
+            return None
+    return None
 
 
 def dp_fsdp(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None, **kwargs: Any):

@@ -10,17 +10,27 @@ therefore compiled with the batch dim *unbacked*: a size with no hint and no
 specialisation, one graph that every rank compiles identically whatever its
 own batch holds.
 
-The batch dims must be marked before dynamo traces the step (a rank whose
-first batch is empty may not even trace with a static size 0, e.g. through
-``view(B, T, H, -1)``); ``private_step`` marks them on every call in a
-distributed run, and ``mark_batch`` does it for a plain ``torch.compile``.
-A sharded step traced without the mark is refused on every rank, before any
-collective runs, so a forgotten mark is an error and never a hang.
+The batch dims must be unbacked when dynamo first wraps the step's inputs (a
+rank whose first batch is empty may not even trace with a static size 0,
+e.g. through ``view(B, T, H, -1)``). Users only call ``torch.compile`` (or
+``private_step``), so dpcompile does it while dynamo traces: every module
+sharded with ``dpcompile.fully_shard`` reads its parameters through
+``mark_traced_batch``, which dynamo runs for real (``assume_constant_result``)
+on its first parameter read. If the frame is being compiled for a dp_fsdp
+backend and a batched tensor argument of the frame is not marked yet, it
+marks the batch dims of the frame's arguments (names and dims follow the
+``batch_dim`` option) and restarts the trace, which then sees an unbacked
+batch. Later calls with plain tensors of any size match the graph's guards
+(an unbacked dim is not guarded), so nothing runs per step.
+``mark_batch`` stays as an explicit form for inputs dpcompile cannot see
+(e.g. built inside the step). A sharded graph traced with a static batch
+anyway is refused on every rank, before any collective runs.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,14 +40,15 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from dpcompile.errors import DPValueError
 
 _SHAPE_ID = "dpcompile_batch"
+_MARK = "_dpcompile_batch_dim"  # set on a tensor whose batch dim was marked unbacked
 
 
 def is_unbacked(size: Any) -> bool:
     return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size.node.expr))
 
 
-def batch_sizes(gm: fx.GraphModule, inputs) -> list[tuple[Any, Any, int]]:
-    """(traced size, real example tensor, batch dim) of every batched data input."""
+def batch_sizes(gm: fx.GraphModule, inputs) -> list[tuple[Any, Any, int, str]]:
+    """(traced size, real example tensor, batch dim, name) of every batched data input."""
     out = []
     for node, gi in zip(gm.graph.find_nodes(op="placeholder"), inputs):
         if gi.kind != "data" or gi.batch_dim is None:
@@ -48,8 +59,17 @@ def batch_sizes(gm: fx.GraphModule, inputs) -> list[tuple[Any, Any, int]]:
         if not isinstance(fake, torch.Tensor) or not isinstance(real, torch.Tensor) or fake.dim() == 0:
             continue
         bd = gi.batch_dim % fake.dim()
-        out.append((fake.shape[bd], real, bd))
+        out.append((fake.shape[bd], real, bd, gi.name))
     return out
+
+
+def batch_hint(config) -> int | None:
+    """The per-rank batch size Inductor tunes a sharded graph for: the same on every rank."""
+    ebs = config.expected_batch_size
+    if not ebs:
+        return None
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return max(2, -(-int(ebs) // world))
 
 
 def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> None:
@@ -63,23 +83,23 @@ def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> N
     if hint is not None and "hint_override" in _mark_unbacked_params():
         kwargs["hint_override"] = hint
     torch._dynamo.decorators.mark_unbacked(t, dim, **kwargs)
+    setattr(t, _MARK, dim)
 
 
 @functools.cache
 def _mark_unbacked_params() -> frozenset[str]:
-    # what this torch's mark_unbacked accepts (it runs on every step: look once)
+    # what this torch's mark_unbacked accepts (look once)
     return frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
 
 
 def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = None) -> None:
     """Compile the batch dim of these step inputs as one size for every batch (0 and 1 included).
 
-    Needed for a plain ``torch.compile(step, backend="dp_fsdp")`` on a model
-    sharded with ``dpcompile.fully_shard``; call it on the step's batched
-    tensor arguments before every call (``private_step`` does this itself).
-    ``hint``: the typical per-rank batch size, for Inductor's kernel tuning;
-    give every rank the same value (``private_step`` uses expected_batch_size
-    / world size).
+    Optional: a step over a model sharded with ``dpcompile.fully_shard`` gets
+    this for its tensor arguments without any call. Use it for batched
+    tensors dpcompile cannot find among the arguments of the compiled
+    function, before the first call. ``hint``: the typical per-rank batch
+    size, for Inductor's kernel tuning; give every rank the same value.
     """
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -90,38 +110,82 @@ def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = No
         mark_batch_unbacked(t, batch_dim % t.dim(), hint)
 
 
-def require_unbacked_batch(gm: fx.GraphModule, inputs) -> None:
-    """Under sharding every batch dim must be unbacked; refuse otherwise (on every rank alike)."""
-    static = [(size, real, bd) for size, real, bd in batch_sizes(gm, inputs) if not is_unbacked(size)]
-    if not static:
-        return
-    size, real, bd = static[0]
-    raise DPValueError(
-        f"dp_fsdp: a sharded step must be compiled with one graph for every batch size, so that every rank "
-        f"issues the same collectives whatever its number of samples (zero included); this step was traced "
-        f"with a fixed batch size {size} (dim {bd} of an input of shape {tuple(real.shape)}). Decorate the "
-        f"step with @dpcompile.private_step(...), which marks the batch for you, or call "
-        f"dpcompile.mark_batch(<each batched tensor argument>) before every call of the compiled step."
-    )
-
-
-def mark_step_inputs(fn, args: tuple, kwargs: dict, config, hint: int | None = None) -> None:
-    """``mark_batch`` on every tensor argument of ``fn`` that the options say is batched.
+def mark_arguments(arguments: Mapping[str, Any], config, hint: int | None = None) -> bool:
+    """Mark the batch dim of every batched tensor among a step's arguments; True if one was not marked yet.
 
     Argument names follow the ``batch_dim`` option's convention: ``x``,
     ``batch.ids`` for a dict entry, ``xs.0`` for a list item.
     """
     from torch.utils._pytree import tree_flatten_with_path
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return  # dynamo reports a bad call itself
-    for name, value in bound.arguments.items():
+    marked = False
+    for name, value in arguments.items():
         for path, leaf in tree_flatten_with_path(value)[0]:
-            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, torch.nn.Parameter) or leaf.dim() == 0:
+            if not isinstance(leaf, torch.Tensor) or isinstance(leaf, torch.nn.Parameter) or leaf.dim() == 0 \
+                    or is_traceable_wrapper_subclass(leaf):
                 continue
             keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
             bd = config.batch_dim_for(".".join([name, *keys]))
-            if bd is not None and -leaf.dim() <= bd < leaf.dim():
-                mark_batch_unbacked(leaf, bd % leaf.dim(), hint)
+            if bd is None or not -leaf.dim() <= bd < leaf.dim() or getattr(leaf, _MARK, None) == bd % leaf.dim():
+                continue
+            mark_batch_unbacked(leaf, bd % leaf.dim(), hint)
+            marked = True
+    return marked
+
+
+@torch._dynamo.assume_constant_result
+def mark_traced_batch() -> bool:
+    """Run by dynamo, for real, when it traces a parameter read of a fully_shard module.
+
+    In a frame compiled for a dp_fsdp backend whose batched tensor arguments
+    are not marked yet: mark them and trace the frame again from the start.
+    Elsewhere (eager, other backends, already marked): nothing.
+    """
+    tx = traced_frame()
+    if tx is None:
+        return False
+    from dpcompile.backend import backend_of
+
+    backend = backend_of(tx.output.compiler_fn)
+    if backend is None:
+        return False
+    if mark_arguments(_frame_arguments(tx), backend.config, batch_hint(backend.config)):
+        raise torch._dynamo.exc.RestartAnalysis("dpcompile: batch dims of the step marked unbacked")
+    return True
+
+
+def traced_frame():
+    """Dynamo's translator of the frame being compiled (not of a function inlined into it), or None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+    except ImportError:  # pragma: no cover
+        return None
+    tx = InstructionTranslator.current_tx()
+    while tx is not None and getattr(tx, "parent", None) is not None:
+        tx = tx.parent  # from the inlined module code out to the compiled frame
+    return tx
+
+
+def _frame_arguments(tx) -> dict[str, Any]:
+    code = tx.f_code
+    n = code.co_argcount + code.co_kwonlyargcount
+    n += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    return {name: tx.f_locals[name] for name in code.co_varnames[:n] if name in tx.f_locals}
+
+
+def require_unbacked_batch(gm: fx.GraphModule, inputs) -> None:
+    """Under sharding every batch dim must be unbacked; refuse otherwise (on every rank alike)."""
+    static = [(size, real, bd, name) for size, real, bd, name in batch_sizes(gm, inputs) if not is_unbacked(size)]
+    if not static:
+        return
+    size, real, bd, name = static[0]
+    raise DPValueError(
+        f"dp_fsdp: a sharded step must be compiled with one graph for every batch size, so that every rank "
+        f"issues the same collectives whatever its number of samples (zero included); this step was traced "
+        f"with a fixed batch size {size} (dim {bd} of input '{name}' of shape {tuple(real.shape)}). dpcompile "
+        f"marks the batch dims of the compiled function's tensor arguments (and of lists and dicts of them) "
+        f"when dynamo first traces a module sharded with dpcompile.fully_shard; this input was not among "
+        f"them. Pass the batch as tensor arguments of the compiled function, or call "
+        f"dpcompile.mark_batch(<tensor>) on it before the call."
+    )

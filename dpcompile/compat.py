@@ -14,6 +14,15 @@ backward) picks its split size from ``sizevars.size_hint(numel)``, which
 raises on an unbacked batch size even when the user gave a hint
 (``hint_override``); newer torch asks ``optimization_hint``, which uses the
 hint. ``hint_mix_order_split`` makes the older codegen do the same.
+
+``nll_loss_nd`` (``F.cross_entropy`` / ``F.nll_loss`` on ``[N, C, d1, ...]``,
+the class dim 1 form) branches on ``numel > 0`` in C++ (torch 2.11 and 2.13),
+which dynamo cannot decide for an unbacked batch size: it graph-breaks inside
+the loss and the DP step is split. ``size_oblivious_nll_loss_nd`` gives the op
+a Python decomposition, used only while tracing (the Python dispatcher) and
+only when a size of the input is unbacked: move the class dim last, flatten to
+``[N * d1 * ..., C]`` with explicit sizes and take the 2-D ``nll_loss``, which
+is the same per-element loss and the same reduction.
 """
 from __future__ import annotations
 
@@ -98,3 +107,31 @@ def hint_mix_order_split() -> None:
     codegen._dpcompile_guarded = True  # type: ignore[attr-defined]
     codegen._dpcompile_original = original  # type: ignore[attr-defined]
     SIMDScheduling._codegen_mix_order_reduction = codegen
+
+
+def size_oblivious_nll_loss_nd() -> None:
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    packet = getattr(torch.ops.aten, "nll_loss_nd", None)
+    key = DispatchKey.CompositeImplicitAutograd
+    if packet is None or key in packet.default.py_kernels:
+        return
+    op = packet.default
+
+    def nll_loss_nd(self, target, weight=None, reduction=1, ignore_index=-100):
+        if self.dim() < 3 or not free_unbacked_symbols(self.shape):
+            return op._op_dk(key, self, target, weight, reduction, ignore_index)  # torch's own
+        n, c, spatial = self.shape[0], self.shape[1], tuple(self.shape[2:])
+        torch._check(target.dim() == self.dim() - 1, lambda: f"Expected target of {self.dim() - 1} dims")
+        for want, got in zip((n, *spatial), target.shape):  # one check per size: no guard on a tuple
+            torch._check(got == want, lambda: f"Expected target size {(n, *spatial)}, got {tuple(target.shape)}")
+        rows = n
+        for d in spatial:
+            rows = rows * d
+        flat = self.movedim(1, -1).reshape(rows, c)
+        out = torch.ops.aten.nll_loss.default(flat, target.reshape(rows), weight, reduction, ignore_index)
+        return out.view(target.shape) if reduction == 0 else out
+
+    op.py_impl(key)(nll_loss_nd)

@@ -17,6 +17,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from dpcompile.batching import mark_traced_batch
+
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -43,6 +45,9 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         def get(self):
             p = self._parameters[name]
             if isinstance(p, DTensor):
+                # dynamo runs this for real while tracing: it makes the step's
+                # batch dim unbacked before any op of the model (dpcompile.batching)
+                mark_traced_batch()
                 return _gather(p, self._dpcompile_mp)
             return p
 

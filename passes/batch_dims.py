@@ -205,9 +205,13 @@ class BatchDimAnalysis:
         if all(s is FREE or (isinstance(s, tuple) and all(x is FREE for x in s)) for s in in_states):
             return FREE
         v = node.meta.get("val")
+        if node.target in _SIZE_QUERIES:
+            # sizes are not sample data: how many samples and how long they
+            # are, public like the batch size itself (x.view(x.size()[:-1] + ...))
+            return FREE
         if not isinstance(v, (torch.Tensor, tuple, list)):
-            # SymInt sizes etc.: a sample-dependent python scalar would be a
-            # data-dependent value (.item()); refuse those.
+            # a Python scalar computed from per-sample values (.item()) would
+            # carry sample data outside the graph's per-sample tracking
             if any(isinstance(s, (Batched, Reduced, Mixed)) for s in in_states):
                 raise self.refuse(node, "produces a Python scalar from per-sample data")
             return FREE
@@ -643,6 +647,8 @@ def _reduction(an, node):
     if s.dim in dims:
         if packet in _LINEAR_REDUCTIONS:
             return wrap(Reduced(node))
+        if known(an.B == 1):
+            return wrap(SINGLE)  # over the one sample there is: nothing mixed
         return wrap(Mixed(node, f"{packet.__name__} over the sample dim"))
     if keep:
         return wrap(s)
@@ -910,6 +916,9 @@ _LINEAR_ON_REDUCED = {
 _C10D = torch.ops._c10d_functional
 COLLECTIVE_REDUCTIONS = {_C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default}
 _LINEAR_ON_REDUCED |= COLLECTIVE_REDUCTIONS | {_C10D.wait_tensor.default}
+
+# ops that read a tensor's size, never its values
+_SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
 _RULES: dict[Any, Any] = {}
 for p in (aten.view, aten._unsafe_view, aten.reshape):

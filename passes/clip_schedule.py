@@ -122,14 +122,16 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
         with graph.inserting_before(out):
             rs = b.call(aten.squeeze.dim, r, 0)
             for pg in ctx.decompositions.values():
-                g = pg.local  # scale before any cross-rank sum: r is this rank's sample's
-                rr = rs if g.meta["val"].dtype == torch.float32 else b.call(
-                    torch.ops.prims.convert_element_type.default, rs, g.meta["val"].dtype)
-                scaled = b.call(aten.mul.Tensor, g, rr)
-                if pg.local_grad is None:
-                    _replace_output(out, pg.param.grad_output_index, scaled)
-                else:
-                    g.replace_all_uses_with(scaled, delete_user_cb=lambda u, s=scaled: u is not s and not u.meta.get("dpcompile"))
+                # scale before any cross-rank sum (r is this rank's sample's): each local gradient
+                for g, _ in pg.local_terms:
+                    rr = rs if g.meta["val"].dtype == torch.float32 else b.call(
+                        torch.ops.prims.convert_element_type.default, rs, g.meta["val"].dtype)
+                    scaled = b.call(aten.mul.Tensor, g, rr)
+                    if not pg.locals:
+                        _replace_output(out, pg.param.grad_output_index, scaled)
+                    else:
+                        g.replace_all_uses_with(
+                            scaled, delete_user_cb=lambda u, s=scaled: u is not s and not u.meta.get("dpcompile"))
                 ctx.counters["whole_gradient_scaled"] += 1
         sched_report["used"] = "single sample: gradient scaled by its clip coefficient"
         return gm

@@ -22,16 +22,25 @@ _C10D = torch.ops._c10d_functional
 
 
 def _collectives_feeding(out_arg: fx.Node) -> list[fx.Node]:
-    found, stack, seen = [], [out_arg], set()
+    """The reductions on the way to a gradient output, outermost first.
+
+    Everything between the output and the reductions is searched (waits,
+    views, an uneven shard's slice, the sum of a parameter's reductions when
+    it is used twice); below a reduction only waits and further reductions
+    (a 2-D mesh reduces twice), not the gradient's own computation.
+    """
+    found, stack, seen = [], [(out_arg, False)], set()
     while stack:
-        n = stack.pop()
+        n, below = stack.pop()
         if not isinstance(n, fx.Node) or n in seen or n.op != "call_function":
             continue
         seen.add(n)
         if n.target in _REDUCTIONS:
             found.append(n)
-        if n.target in _REDUCTIONS or n.target is _C10D.wait_tensor.default or not found:
-            stack.extend(n.all_input_nodes)
+            below = True
+        elif below and n.target is not _C10D.wait_tensor.default:
+            continue
+        stack.extend((a, below) for a in n.all_input_nodes)
     return found
 
 

@@ -31,6 +31,7 @@ class DPPassContext:
     sharded: bool = False  # parameters are fully_shard DTensors: collectives in the graph
     reshard_primals: set = dataclasses.field(default_factory=set)  # params gathered again in the backward
     rank: int = 0
+    split_step: Any = None  # dpcompile.step_split.Split: where dynamo split the step before its loss
     # filled by the passes -------------------------------------------------
     batch_size: Any = None
     states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
@@ -43,7 +44,6 @@ class DPPassContext:
     contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     analysis: Any = None
     backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order
-    local_grads: dict[str, fx.Node] = dataclasses.field(default_factory=dict)  # param -> pre-collective grad
     whole_gradient_mode: bool = False  # B <= 1: the per-sample gradient is the gradient
     empty_batch: bool = False  # B == 0: zero gradient + noise
     counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)

@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.fx_utils import module_of, op_name, source_line
+from dpcompile.step_split import split_error_text
 
 from .batch_dims import FREE, Batched, Mixed, Reduced
 from .context import DPPassContext
@@ -70,11 +71,12 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     ]
     if len(used_tangents) != 1:
         names = ", ".join(n.name for n in used_tangents)
-        raise DPCompileError(
-            f"dp_fsdp expects the compiled step to backpropagate from exactly one scalar loss, but the backward "
+        raise DPCompileError(split_error_text(
+            ctx.split_step,
+            f"the compiled step must backpropagate from exactly one scalar loss, but the backward "
             f"graph uses {len(used_tangents)} incoming gradients ({names}). Return other tensors from the step "
             f"with .detach() (e.g. `return loss.detach()`), so only the loss carries gradients."
-        )
+        ))
     tangent = used_tangents[0]
     desc = tangent.meta.get("desc")
     idx = getattr(getattr(desc, "output", None), "idx", None)
@@ -89,11 +91,13 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     if isinstance(st, Mixed):
         raise loss_not_per_sample(st.origin, st.why)
     if st is FREE:
-        raise DPCompileError("dp_fsdp: the loss does not depend on the batch inputs; nothing to privatise.")
+        raise DPCompileError(split_error_text(
+            ctx.split_step, "the loss does not depend on the batch inputs; nothing to privatise."))
     if loss.meta["val"].numel() != 1:
-        raise DPCompileError(
-            f"dp_fsdp: the loss must be a scalar, got shape {tuple(loss.meta['val'].shape)}. " + PER_SAMPLE_LOSS_HELP
-        )
+        raise DPCompileError(split_error_text(
+            ctx.split_step,
+            f"the loss must be a scalar, got shape {tuple(loss.meta['val'].shape)}. " + PER_SAMPLE_LOSS_HELP,
+        ))
     kinds = set()
     if isinstance(st, Batched):  # B == 1 without an explicit reduction (e.g. per_sample.squeeze())
         kinds.add("sum")

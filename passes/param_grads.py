@@ -77,13 +77,16 @@ class ParamGrad:
     grad_node: fx.Node
     terms: list[tuple[Contribution, float]]  # gradient = sum alpha * chain(contribution)
     norm_preserving: bool  # one term and the chain only moves entries
-    # this rank's full gradient before any cross-rank reduction (the node the
-    # per-sample norm is the norm of); grad_node itself without collectives
-    local_grad: fx.Node | None = None
+    # this rank's full gradient before any cross-rank reduction (what the
+    # per-sample norm is the norm of), as sum beta * local: one local gradient
+    # per cross-rank reduction on the way to the output (a parameter used
+    # twice, e.g. a tied embedding and LM head, is gathered and reduced once
+    # per use); empty without collectives (the gradient is grad_node itself)
+    locals: list[tuple[fx.Node, float]] = dataclasses.field(default_factory=list)
 
     @property
-    def local(self) -> fx.Node:
-        return self.local_grad if self.local_grad is not None else self.grad_node
+    def local_terms(self) -> list[tuple[fx.Node, float]]:
+        return self.locals or [(self.grad_node, 1.0)]
 
 
 def _scalar(x: Any) -> float | None:
@@ -118,9 +121,7 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     if t in COLLECTIVE_REDUCTIONS:
         # a sum over ranks: each rank's samples are its own, so the per-sample
         # gradient is this rank's gradient before the reduction
-        local = unglue(node.args[0])
-        ctx.local_grads[param.name] = local
-        return decompose(local, ctx, param, alpha)
+        return decompose(unglue(node.args[0]), ctx, param, alpha)
     if t in NORM_PRESERVING:
         terms, simple = decompose(node.args[0], ctx, param, alpha)
         return terms, simple
@@ -173,19 +174,70 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     raise refuse("this op is applied to the gradient after the sum over samples")
 
 
-def local_gradient(g: fx.Node) -> fx.Node | None:
-    """This rank's gradient before the first cross-rank reduction on the way to g (None: no collective)."""
-    local = None
-    node = g
+def local_terms(g: fx.Node, param: str) -> list[tuple[fx.Node, float]]:
+    """g as a linear combination sum beta * reduce(local) of this rank's pre-reduction gradients.
+
+    Walks from the gradient output through what follows the cross-rank
+    reductions (waits, views, casts, slices, sums and scalar factors of their
+    results). [] when no reduction reaches g (one process).
+    """
+    def walk(node, beta):
+        t = node.target if isinstance(node, fx.Node) and node.op == "call_function" else None
+        if t in COLLECTIVE_REDUCTIONS:
+            return [(_innermost_local(node), beta)]
+        if t is torch.ops._c10d_functional.wait_tensor.default or t in NORM_PRESERVING or t is aten.slice.Tensor:
+            # a slice after the reduction cuts an uneven shard's padding off: this rank's gradient
+            # before the reduction is the whole parameter's either way
+            return walk(node.args[0], beta)
+        if t is aten.neg.default:
+            return walk(node.args[0], -beta)
+        if t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+            a, s = node.args[0], node.args[1]
+            if t in (aten.mul.Tensor, aten.mul.Scalar) and _scalar(a) is not None:
+                a, s = s, a
+            if _scalar(s) is not None:
+                return walk(a, beta * (_scalar(s) if t in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / _scalar(s)))
+        if t in (aten.add.Tensor, aten.sub.Tensor):
+            sign = node.kwargs.get("alpha", 1) * (-1 if t is aten.sub.Tensor else 1)
+            a, b = walk(node.args[0], beta), walk(node.args[1], beta * sign)
+            if a is not None and b is not None:
+                return a + b
+        return None
+
+    found = walk(g, 1.0)
+    if found is None and _reaches_a_reduction(g):
+        raise DPCompileError(
+            f"dp_fsdp: the gradient of parameter '{param}' combines cross-rank reductions with other terms "
+            f"after the reduction (op {op_name(g)}); dpcompile cannot tell this rank's per-sample gradient"
+        )
+    return found or []
+
+
+def _innermost_local(reduction: fx.Node) -> fx.Node:
+    """The gradient before the first of a chain of reductions (a 2-D mesh reduce-scatters, then all-reduces
+    the result across replicas): what reaches ``reduction`` through waits, views and further reductions."""
+    local = node = unglue(reduction.args[0])
     while isinstance(node, fx.Node) and node.op == "call_function":
         if node.target in COLLECTIVE_REDUCTIONS:
-            local = unglue(node.args[0])
-            node = local
+            local = node = unglue(node.args[0])
         elif node.target is torch.ops._c10d_functional.wait_tensor.default or node.target in NORM_PRESERVING:
             node = node.args[0]
         else:
             break
     return local
+
+
+def _reaches_a_reduction(g: fx.Node) -> bool:
+    stack, seen = [g], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in COLLECTIVE_REDUCTIONS:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
@@ -197,11 +249,11 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
         if g is None:
             continue
         if ctx.whole_gradient_mode or ctx.empty_batch:
-            ctx.decompositions[p.name] = ParamGrad(p, g, [], True, local_gradient(g))
+            ctx.decompositions[p.name] = ParamGrad(p, g, [], True, local_terms(g, p.name))
             continue
         terms, simple = decompose(g, ctx, p)
         simple = simple and len(terms) == 1
-        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple, ctx.local_grads.get(p.name))
+        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple, local_terms(g, p.name))
         ctx.counters["params_decomposed"] += 1
         if len(terms) > 1:
             ctx.counters["params_shared"] += 1

@@ -291,6 +291,16 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
     return r
 
 
+def _combine(b: GraphBuilder, terms: list[tuple[fx.Node, float]]) -> fx.Node:
+    """sum beta * x over the terms: this rank's gradient from its pre-reduction pieces (ParamGrad.locals)."""
+    total = None
+    for x, beta in terms:
+        if beta != 1.0:
+            x = b.call(aten.mul.Tensor, x, beta)
+        total = x if total is None else b.call(aten.add.Tensor, total, x)
+    return total
+
+
 def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Adds the [B] vector of per-sample squared norms, c and r = c * M * k."""
     graph = gm.graph
@@ -301,14 +311,18 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
     b = GraphBuilder(graph, counter=count)
     nb = NormBuilder(b, ctx)
     out = graph.find_nodes(op="output")[0]
+    position = {n: i for i, n in enumerate(graph.nodes)}
     per_param: list[fx.Node] = []
     report = ctx.summary.setdefault("params", {})
     for name, pg in ctx.decompositions.items():
         entry = report.setdefault(name, {"shape": list(pg.param.primal.meta["val"].shape)})
+        locals_ = pg.local_terms
+        anchor = max((n for n, _ in locals_), key=position.__getitem__)  # after every local gradient
         if ctx.whole_gradient_mode:
-            with graph.inserting_after(pg.local):
-                b.meta_source = pg.local
-                sq = b.sq_sum_per_sample(b.view(pg.local, [1, -1]))
+            with graph.inserting_after(anchor):
+                b.meta_source = anchor
+                whole = _combine(b, [(b.view(n, [1, -1]), beta) for n, beta in locals_])
+                sq = b.sq_sum_per_sample(whole)
             entry["decomposition"] = "batch of one sample: the per-sample gradient is the gradient"
             entry["norm"] = "materialize (whole gradient)"
             ctx.counters["norm_whole_gradient"] += 1
@@ -327,10 +341,10 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["why"] = why
             ctx.counters[f"norm_{c.kind}_{algo}"] += 1
         else:
-            anchor = pg.local
             with graph.inserting_after(anchor):
                 b.meta_source = anchor
-                full = _replay(b, nb, pg.local, pg, {})
+                memo: dict = {}
+                full = _combine(b, [(_replay(b, nb, n, pg, memo), beta) for n, beta in locals_])
                 sq = b.sq_sum_per_sample(full)
             kinds = "+".join(c.kind for c, _ in pg.terms)
             entry["decomposition"] = f"{len(pg.terms)} contributions ({kinds}) through a reshaping chain"

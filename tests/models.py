@@ -134,6 +134,30 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class LoRALinear(nn.Module):
+    """A frozen Linear plus a trainable low-rank update: W x + (alpha / r) B A x."""
+
+    def __init__(self, base: nn.Linear, r=2, alpha=4.0):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(r, base.in_features) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, r) * 0.3)  # nonzero, so A gets gradients
+        self.scale = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
+
+class LoRAGPT(GPT):
+    """A frozen GPT with LoRA adapters on every block's qkv and fc: only the adapters train."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.requires_grad_(False)
+        for b in self.blocks:
+            b.qkv, b.fc = LoRALinear(b.qkv), LoRALinear(b.fc)
+
+
 def rotary(x, base=10000.0):
     """Rotary position embedding on [B, H, T, hd] (pairs of halves)."""
     T, hd = x.shape[-2], x.shape[-1]

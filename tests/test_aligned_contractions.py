@@ -10,7 +10,7 @@ import models as M
 from dpcompile.passes import aligned_contractions as AC
 from dpcompile.passes.cleanup import finalize
 from helpers import check_against_reference
-from test_per_sample_clipping import CASES
+from cases import LAYER_CASES
 
 aten = torch.ops.aten
 
@@ -91,14 +91,14 @@ def test_strided_results_reach_outputs_contiguous():
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
 def test_every_layer_kind_stays_exact_when_padded(case, schedule, monkeypatch):
     """Every layer kind of the clipping tests, with their odd sizes (3, 5, 6, 11, 13) padded to 8."""
     monkeypatch.setattr(AC, "PAD_DEVICES", ("cpu",))
     monkeypatch.setattr(AC, "ALIGNMENT", {torch.float32: 8})
-    make_model, make_data, loss = CASES[case]
+    c = LAYER_CASES[case]
     torch.manual_seed(0)
-    inputs, targets = make_data(4)
-    backend = check_against_reference(make_model(), loss, inputs, targets, schedule=schedule)
+    inputs, targets = c.data(4)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters["contractions_padded"] > 0, record.counters

@@ -42,3 +42,24 @@ def test_mix_order_split_patch_only_where_torch_still_asks_size_hint():
     original = getattr(fn, "_dpcompile_original", fn)
     asks_size_hint = "sizevars.size_hint(numel)" in inspect.getsource(original)
     assert getattr(fn, "_dpcompile_guarded", False) == asks_size_hint
+
+
+def test_k_dimensional_cross_entropy_traces_whole_with_an_unbacked_batch():
+    """F.cross_entropy on [N, C, T] branches on numel > 0 in C++: with an unbacked N dynamo would
+    graph-break inside the loss. With the Python decomposition it traces in one graph, same values."""
+    import torch
+    import torch.nn.functional as F
+
+    from dpcompile.compat import size_oblivious_nll_loss_nd
+
+    size_oblivious_nll_loss_nd()
+
+    def loss(logits, y):
+        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none", ignore_index=2).mean(1)
+
+    for n in (3, 0, 1):
+        logits, y = torch.randn(n, 4, 5), torch.randint(0, 5, (n, 4))
+        torch._dynamo.decorators.mark_unbacked(logits, 0)
+        torch._dynamo.decorators.mark_unbacked(y, 0)
+        got = torch.compile(loss, backend="eager", fullgraph=True)(logits, y)  # fullgraph: a break raises
+        torch.testing.assert_close(got, loss(logits, y), equal_nan=True)

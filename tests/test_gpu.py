@@ -7,7 +7,7 @@ import torch
 import dpcompile
 import models as M
 from reference import dp_reference
-from test_per_sample_clipping import CASES
+from cases import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -41,9 +41,9 @@ def _clipped_on_cuda(model, loss, inputs, targets, **options):
 @pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
 @pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama"])
 def test_cuda_matches_reference(case, schedule):
-    make_model, make_data, loss = CASES[case]
-    inputs, targets = make_data(4)
-    ref, gpu, _ = _clipped_on_cuda(make_model(), loss, inputs, targets, schedule=schedule, memory_budget=4000)
+    c = CASES[case]
+    inputs, targets = c.data(4)
+    ref, gpu, _ = _clipped_on_cuda(c.model(), c.loss, inputs, targets, schedule=schedule, memory_budget=4000)
     for name, p in gpu.named_parameters():
         torch.testing.assert_close(p.grad.double().cpu(), ref[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
@@ -77,11 +77,11 @@ def test_cuda_noise_std():
 def test_cuda_bf16_model_matches_reference(case, schedule):
     """A bf16 model: the norm contractions take the bf16 factors as they are (aten.bmm.dtype, fp32
     accumulation). Against the fp64 oracle on the same bf16-rounded weights, with bf16 tolerances."""
-    make_model, make_data, loss = CASES[case]
+    c = CASES[case]
     torch.manual_seed(0)
-    model = make_model().to(torch.bfloat16)
-    inputs, targets = make_data(4)
-    ref, gpu, backend = _clipped_on_cuda(model, loss, inputs, targets, schedule=schedule)
+    model = c.model().to(torch.bfloat16)
+    inputs, targets = c.data(4)
+    ref, gpu, backend = _clipped_on_cuda(model, c.loss, inputs, targets, schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]
     assert any(op == "aten.bmm.dtype" for op, _ in record.ops["backward"])  # the bf16 factors were not upcast
     assert record.counters["contractions_padded"] > 0  # the odd vocab (13) and sequence (6), zero-padded

@@ -1,98 +1,48 @@
-"""Every layer kind, both schedules, against the vmap(grad) oracle with clipping active."""
+"""Every layer kind and model of cases.py, both schedules, against the vmap(grad) oracle with clipping active."""
 import pytest
 import torch
 
 import models as M
+from cases import CASES, check_case_invariants, ids as _ids
 from helpers import check_against_reference
-
-
-def _ids(B, T, vocab, pad=None):
-    ids = torch.randint(1 if pad == 0 else 0, vocab, (B, T))
-    if pad is not None:
-        ids[0, -1] = pad
-        ids[-1, 0] = pad
-    return ids
-
-
-CASES = {
-    "mlp_2d": (lambda: M.MLP(), lambda B: ((torch.randn(B, 5) * 2,), (torch.randint(0, 3, (B,)),)), M.ce),
-    "linear_2d_no_bias": (lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 6),), (torch.randn(B, 3),)), M.mse),
-    "linear_3d": (lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
-    "linear_4d": (lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 2, 3, 6),), (torch.randn(B, 2, 3, 3),)), M.mse),
-    "conv1d_addmm": (lambda: M.Conv1DNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
-    "norms": (lambda: M.NormNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
-    "embedding": (lambda: M.EmbNet(), lambda B: ((_ids(B, 5, 11),), (torch.randn(B, 5, 3),)), M.mse),
-    "embedding_padding": (lambda: M.EmbNet(padding_idx=0), lambda B: ((_ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
-    "gpt": (lambda: M.GPT(), lambda B: ((_ids(B, 6, 13),), (_ids(B, 6, 13),)), M.seq_ce),
-    "llama": (lambda: M.LlamaLM(), lambda B: ((_ids(B, 6, 13),), (_ids(B, 6, 13),)), M.seq_ce),
-}
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference(case, schedule):
-    make_model, make_data, loss = CASES[case]
-    model = make_model()
-    inputs, targets = make_data(4)
-    check_against_reference(model, loss, inputs, targets, schedule=schedule)
+    c = CASES[case]
+    inputs, targets = c.data(4)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, reduction=c.reduction)
+    (record,) = [r for r in backend.compiled if r.dp]
+    check_case_invariants(case, record.counters, record.summary)
+    if case == "gpt_frozen":
+        assert "wpe.weight" not in record.summary["params"]
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", ["mlp_2d", "gpt"])
 def test_batch_of_one(case, schedule):
-    make_model, make_data, loss = CASES[case]
-    model = make_model()
-    inputs, targets = make_data(1)
-    check_against_reference(model, loss, inputs, targets, schedule=schedule)
+    c = CASES[case]
+    inputs, targets = c.data(1)
+    check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule)
 
 
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_auto_schedule_mixes_bk_and_ghost(case):
-    make_model, make_data, loss = CASES[case]
-    model = make_model()
-    inputs, targets = make_data(3)
+    c = CASES[case]
+    inputs, targets = c.data(3)
     # a budget that fits some deferred operands but not all
-    backend = check_against_reference(model, loss, inputs, targets, schedule="auto", memory_budget=2000)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="auto", memory_budget=2000)
     counters = backend.compiled[0].counters
     assert counters["bk_deferred_contractions"] > 0 and counters["ghost_recomputed_params"] > 0, counters
 
 
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_sum_reduction(schedule):
-    make_model, make_data, loss = CASES["gpt"]
-    model = make_model()
-    inputs, targets = make_data(3)
-    check_against_reference(model, loss, inputs, targets, schedule=schedule, reduction="sum")
-
-
 @pytest.mark.parametrize("algo", ["ghost", "direct"])
 def test_linear_norm_algorithms_agree(algo):
-    make_model, make_data, loss = CASES["linear_3d"]
-    model = make_model()
-    inputs, targets = make_data(3)
-    backend = check_against_reference(model, loss, inputs, targets, schedule="bk", linear_norm=algo)
+    c = CASES["linear_3d"]
+    inputs, targets = c.data(3)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="bk", linear_norm=algo)
     assert backend.compiled[0].counters[f"norm_mm_{algo}"] == 2
-
-
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_frozen_parameters_get_no_grad(schedule):
-    model = M.GPT()
-    for p in model.blocks[0].parameters():
-        p.requires_grad_(False)
-    model.wpe.weight.requires_grad_(False)
-    inputs, targets = (_ids(4, 6, 13),), (_ids(4, 6, 13),)
-    backend = check_against_reference(model, M.seq_ce, inputs, targets, schedule=schedule)
-    summary = backend.compiled[0].summary
-    assert "wpe.weight" in summary["frozen"] and "wpe.weight" not in summary["params"]
-
-
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_tied_embedding_and_head(schedule):
-    """The norm of the per-sample sum of both uses, not the sum of norms."""
-    model = M.GPT(tied=True)
-    inputs, targets = (_ids(4, 6, 13),), (_ids(4, 6, 13),)
-    backend = check_against_reference(model, M.seq_ce, inputs, targets, schedule=schedule)
-    assert backend.compiled[0].counters["params_shared"] == 1
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])

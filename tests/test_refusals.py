@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import dpcompile
 import models as M
 from dpcompile import DPCompileError
+from helpers import check_against_reference
 
 
 def run(model, loss_of, inputs, **options):
@@ -182,3 +183,53 @@ def test_bad_options_are_value_errors(bad, fragment):
 def test_missing_required_options():
     with pytest.raises(ValueError, match="needs the option"):
         dpcompile.DPConfig.from_options({"max_grad_norm": 1.0})
+
+
+class BrokenGPT(M.GPT):
+    """A GPT whose forward dynamo splits in two."""
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        torch._dynamo.graph_break()
+        for blk in self.blocks:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def test_graph_break_before_the_loss_is_refused_saying_where_and_why():
+    """Refusing is right (the first piece has no loss); the message says the step was split, where, why."""
+    model = BrokenGPT()
+    ids = torch.randint(0, 13, (4, 6))
+    err = expect_refusal(lambda: run(model, lambda m, ids: M.seq_ce(m(ids), ids).mean(), (ids,)),
+                         "only part of the training step", "graph break", "test_refusals.py",
+                         "torch._dynamo.graph_break()", "What to do", "fullgraph=True")
+    assert "loss must be a scalar, got shape (4, 6, 8)" in str(err)  # what the piece it got looks like
+
+
+def test_input_carrying_gradients_is_refused():
+    """Activations computed outside the compiled step (here by a module run eagerly) bring gradients that
+    would reach that module's parameters without per-sample clipping."""
+    emb, model = nn.Embedding(13, 5), M.MLP()
+    ids, y = torch.randint(0, 13, (4,)), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (emb(ids), y)),
+                   "input 'xs.0' requires grad", "outside the per-sample clipping", "detach")
+
+
+def test_sizes_of_per_sample_data_are_not_sample_data():
+    """Hugging Face's Conv1D (x.view(-1, x.size(-1)), then x.view(x.size()[:-1] + (nf,))) under an unbacked
+    batch: the joint graph reads sizes of per-sample tensors (sym_size), public like the batch size; the
+    step compiles and is exact."""
+    from transformers.pytorch_utils import Conv1D
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = Conv1D(8, 5), Conv1D(3, 8)
+
+        def forward(self, x):
+            return self.c2(torch.tanh(self.c1(x)))
+
+    x, y = torch.randn(4, 2, 5), torch.randn(4, 2, 3)
+    dpcompile.mark_batch(x, y)
+    backend = check_against_reference(Net(), M.mse, (x,), (y,), schedule="bk")
+    assert "aten.sym_size.int(" in backend.compiled[0].graphs["joint_graph_before_dp"]

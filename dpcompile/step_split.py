@@ -1,0 +1,94 @@
+"""Telling the user that dynamo split the training step, where and why.
+
+A DP step must reach the scalar loss in one graph, from the batch inputs
+through every trainable parameter: only then does the joint graph hold each
+sample's whole gradient. ``loss.backward()`` always ends the graph (dynamo
+graph-breaks there, as it should). Any other graph break before the loss
+hands the backend a piece of the step: activations instead of a loss, or a
+graph whose inputs already carry gradients. Dynamo records why it compiled a
+graph (``gm.compile_subgraph_reason``) and which frame it traced; this turns
+that into a message that says where the step was split, why, and what to do.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile.batching import traced_frame
+
+_FSDP2_ADVICE = (
+    "the model is wrapped with torch.distributed.fsdp.fully_shard (FSDP2), whose hooks run outside the graph "
+    "(dynamo graph-breaks on them); shard it with dpcompile.fully_shard instead, same arguments: "
+    "dpcompile.fully_shard(module, mesh=..., reshard_after_forward=..., "
+    "mp_policy=dpcompile.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)) on each block, then the root"
+)
+_GENERIC_ADVICE = (
+    "remove the graph break (TORCH_LOGS=graph_breaks lists every break; torch.compile(..., fullgraph=True) "
+    "raises at the first), or move the code that breaks out of the step"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Why a graph is only part of the step (what dynamo did) and what the user should do."""
+
+    why: str
+    advice: str
+
+
+def describe_split(gm: fx.GraphModule) -> Split | None:
+    """Where and why dynamo split the step before its loss, or None if it did not (as far as dynamo says)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    tx = traced_frame()
+    owner = tx.f_locals.get("self") if tx is not None else None
+    fsdp2 = _is_stock_fsdp(owner) or any("distributed/fsdp" in f.filename.replace("\\", "/")
+                                         for f in getattr(reason, "user_stack", None) or ())
+    what = None
+    if reason is not None and reason.graph_break and not _is_backward_call(reason):
+        why = reason.reason.strip().splitlines()[0] if reason.reason else "no reason given"
+        what = f"dynamo split the step at a graph break{_where(reason)}: {why}"
+    elif isinstance(owner, torch.nn.Module) and tx.f_code.co_name == "forward":
+        what = (f"this graph is {type(owner).__name__}.forward ({tx.f_code.co_filename}:"
+                f"{tx.f_code.co_firstlineno}) compiled on its own, without the loss: the frame that called it "
+                f"was split at a graph break before the call")
+    if what is None:
+        return None
+    return Split(what, _FSDP2_ADVICE if fsdp2 else _GENERIC_ADVICE)
+
+
+def split_error_text(split: Split | None, found: str) -> str:
+    """The message for a graph that is not a whole DP step: the split first (``describe_split``), then what
+    the backend found."""
+    head = ("dp_fsdp: the compiled graph is only part of the training step; a DP step must reach the scalar "
+            "loss in one graph, from the batch inputs through every trainable parameter.")
+    if split is None:
+        return f"dp_fsdp: {found}"
+    return (f"{head}\n  Why: {split.why}.\n  What dp_fsdp found in this part: {found}\n"
+            f"  What to do: {split.advice}.")
+
+
+def _is_backward_call(reason: Any) -> bool:
+    first = (reason.reason or "").strip().splitlines()[:1]
+    stack = getattr(reason, "user_stack", None) or []
+    line = (stack[-1].line or "") if stack else ""
+    return any("backward()" in s for s in first) or ".backward(" in line
+
+
+def _where(reason: Any) -> str:
+    stack = getattr(reason, "user_stack", None) or []
+    if not stack:
+        return ""
+    f = stack[-1]
+    code = f" ({f.line.strip()})" if f.line else ""
+    return f" in {f.name} at {f.filename}:{f.lineno}{code}"
+
+
+def _is_stock_fsdp(module: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, FSDPModule)

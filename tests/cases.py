@@ -1,0 +1,160 @@
+"""The models and losses every gradient check runs: one process and sharded alike.
+
+A case builds a fresh model (``model()``), a batch of B samples
+(``data(B) -> (inputs, targets)``), and names its per-sample loss and how the
+step reduces it over the batch. Third-party models (Hugging Face
+``transformers``) are cases too: their code is not ours, which is the point.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import models as M
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: Callable[[], torch.nn.Module]
+    data: Callable[[int], tuple[tuple, tuple]]
+    loss: Callable  # (model output, *targets) -> [B] per-sample losses
+    reduction: str = "mean"  # how the step reduces the per-sample losses: "mean" or "sum"
+
+
+def ids(B, T, vocab, pad=None):
+    x = torch.randint(1 if pad == 0 else 0, vocab, (B, T))
+    if pad is not None and B:
+        x[0, -1] = pad
+        x[-1, 0] = pad
+    return x
+
+
+def _tokens(vocab, T=6):
+    return lambda B: ((ids(B, T, vocab),), (ids(B, T, vocab),))
+
+
+def _frozen_gpt():
+    model = M.GPT(n_layer=1)
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)
+    return model
+
+
+def kdim_ce(logits, y):
+    """Cross-entropy in its K-dimensional form (classes on dim 1), averaged within each sample."""
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
+
+def _logits_ce(out, y):
+    return M.seq_ce(out.logits, y)
+
+
+def _hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=29, n_positions=8, n_embd=12, n_layer=1, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)  # Conv1D (addmm, [in, out] weights), tied LM head
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=29, hidden_size=12, intermediate_size=20, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)  # grouped-query attention, rotary, RMSNorm, SwiGLU, untied head
+
+
+# every layer kind, each in a small model of its own
+SMALL_LAYER_CASES = {
+    "mlp_2d": Case(lambda: M.MLP(), lambda B: ((torch.randn(B, 5) * 2,), (torch.randint(0, 3, (B,)),)), M.ce),
+    "linear_2d_no_bias": Case(lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 6),), (torch.randn(B, 3),)), M.mse),
+    "linear_3d": Case(lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
+    "linear_4d": Case(lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 2, 3, 6),), (torch.randn(B, 2, 3, 3),)),
+                      M.mse),
+    "conv1d_addmm": Case(lambda: M.Conv1DNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
+    "norms": Case(lambda: M.NormNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
+    "embedding": Case(lambda: M.EmbNet(), lambda B: ((ids(B, 5, 11),), (torch.randn(B, 5, 3),)), M.mse),
+    "embedding_padding": Case(lambda: M.EmbNet(padding_idx=0),
+                              lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
+}
+LAYER_CASES = {
+    **SMALL_LAYER_CASES,
+    "gpt": Case(lambda: M.GPT(), _tokens(13), M.seq_ce),
+    "llama": Case(lambda: M.LlamaLM(), _tokens(13), M.seq_ce),
+}
+
+# whole models, loss forms and reductions (one block each where one shows the point: compile time)
+MODEL_CASES = {
+    "gpt_tied": Case(lambda: M.GPT(n_layer=1, tied=True), _tokens(13), M.seq_ce),
+    "gpt_frozen": Case(_frozen_gpt, _tokens(13), M.seq_ce),
+    "gpt_lora": Case(lambda: M.LoRAGPT(n_layer=1), _tokens(13), M.seq_ce),
+    "gpt_kdim_ce": Case(lambda: M.GPT(n_layer=1), _tokens(13), kdim_ce),
+    "llama_sum": Case(lambda: M.LlamaLM(), _tokens(13), M.seq_ce, reduction="sum"),
+    "hf_gpt2": Case(_hf_gpt2, _tokens(29), _logits_ce),
+    "hf_llama": Case(_hf_llama, _tokens(29), _logits_ce, reduction="sum"),
+}
+
+CASES = {**LAYER_CASES, **MODEL_CASES}
+
+
+class SideBySide(torch.nn.Module):
+    """Several cases' models in one: each reads its own inputs (all batched on dim 0)."""
+
+    def __init__(self, cases: dict[str, Case], arity: dict[str, int]):
+        super().__init__()
+        self.parts = torch.nn.ModuleDict({n: c.model() for n, c in cases.items()})
+        self.arity = arity
+
+    def forward(self, *inputs):
+        outs, i = [], 0
+        for name, part in self.parts.items():
+            outs.append(part(*inputs[i: i + self.arity[name]]))
+            i += self.arity[name]
+        return tuple(outs)
+
+
+def side_by_side(cases: dict[str, Case]) -> Case:
+    """One case made of several (mean-reduced) ones: a sample's loss is the sum of its losses in each, so
+    one flat clipping norm spans every layer kind at once. One compile instead of one per case."""
+    assert all(c.reduction == "mean" for c in cases.values())
+    counts = {}  # name -> (number of inputs, number of targets), from the first batch made
+
+    def data(B):
+        parts = {n: c.data(B) for n, c in cases.items()}
+        counts.update({n: (len(i), len(t)) for n, (i, t) in parts.items()})
+        return tuple(x for i, _ in parts.values() for x in i), tuple(t for _, ts in parts.values() for t in ts)
+
+    def model():
+        if not counts:
+            data(1)
+        return SideBySide(cases, {n: k[0] for n, k in counts.items()})
+
+    def loss(outs, *targets):
+        total, j = 0, 0
+        for (n, c), out in zip(cases.items(), outs):
+            total = total + c.loss(out, *targets[j: j + counts[n][1]])
+            j += counts[n][1]
+        return total
+
+    return Case(model, data, loss)
+
+
+# what the sharded tests run: the small layer kinds side by side (one compile), then every model
+SHARDED_CASES = {"layer_kinds": side_by_side(SMALL_LAYER_CASES),
+                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES}}
+
+
+def check_case_invariants(name, counters, summary):
+    """What a case's compile must show beyond exact gradients (shared with the sharded runs)."""
+    if name in ("gpt_tied", "hf_gpt2"):
+        assert counters["params_shared"] == 1  # the norm of the per-sample sum of both uses, not two norms
+    if name in ("gpt_frozen", "gpt_lora"):
+        assert "wpe.weight" in summary["frozen"], summary["frozen"]  # no gradient, no noise
+    if name == "gpt_lora":
+        assert "blocks.0.qkv.base.weight" in summary["frozen"], summary["frozen"]

@@ -35,11 +35,11 @@ def _locate_passes() -> None:
 
 _locate_passes()
 
-from dpcompile.accounting import RDPAccountant  # noqa: E402
+from dpcompile.accounting import PrivacyAccountant, noise_multiplier_for  # noqa: E402
 from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
-from dpcompile.compat import size_oblivious_nll_loss_nd  # noqa: E402
+from dpcompile.compat import size_oblivious_nll_loss_nd, size_oblivious_sdpa  # noqa: E402
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.errors import DPCompileError  # noqa: E402
@@ -48,7 +48,8 @@ from dpcompile.sampling import PoissonBatchSampler  # noqa: E402
 
 __all__ = [
     "DPBackend", "DPCompileError", "MixedPrecisionPolicy", "fully_shard", "DPConfig", "CompiledStep", "dump_graphs",
-    "get_backend", "mark_batch", "private_step", "dp_fsdp", "bucket_collectives", "RDPAccountant",
+    "get_backend", "mark_batch", "private_step", "dp_fsdp", "bucket_collectives", "PrivacyAccountant",
+    "noise_multiplier_for",
     "PoissonBatchSampler",
 ]
 
@@ -105,3 +106,4 @@ def _register_if_missing() -> None:
 
 _register_if_missing()
 size_oblivious_nll_loss_nd()  # see dpcompile.compat
+size_oblivious_sdpa()

@@ -23,6 +23,15 @@ a Python decomposition, used only while tracing (the Python dispatcher) and
 only when a size of the input is unbacked: move the class dim last, flatten to
 ``[N * d1 * ..., C]`` with explicit sizes and take the 2-D ``nll_loss``, which
 is the same per-element loss and the same reduction.
+``scaled_dot_product_attention`` with an ``attn_mask`` whose batch size is
+unbacked: torch 2.11's C++ kernel choice asks whether the mask's batch is 1
+(to broadcast it), which dynamo cannot decide; it graph-breaks inside the
+attention (every Hugging Face model passes such a mask). Newer torch decides
+without the guard. ``size_oblivious_sdpa`` gives the op a Python kernel,
+used only while tracing: torch's own composite wherever it traces (a dry run
+on the fake inputs, outside the graph, tells), else the math attention on the
+additive form of the mask, which is what torch's composite computes when it
+picks the math backend.
 """
 from __future__ import annotations
 
@@ -135,3 +144,43 @@ def size_oblivious_nll_loss_nd() -> None:
         return out.view(target.shape) if reduction == 0 else out
 
     op.py_impl(key)(nll_loss_nd)
+
+
+def size_oblivious_sdpa() -> None:
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
+
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    key = DispatchKey.CompositeImplicitAutograd
+    if key in op.py_kernels:
+        return
+
+    def torch_own(*args, scale=None, enable_gqa=False):
+        return op._op_dk(key, *args, scale=scale, enable_gqa=enable_gqa)
+
+    def choice_guards(*args, **kwargs) -> bool:
+        with disable_proxy_modes_tracing():  # a dry run: nothing of it reaches the graph
+            try:
+                torch_own(*args, **kwargs)
+            except GuardOnDataDependentSymNode:
+                return True
+        return False
+
+    def sdpa(query, key_, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        args = (query, key_, value, attn_mask, dropout_p, is_causal)
+        if (attn_mask is None or not free_unbacked_symbols(attn_mask.shape) or not _SDPA_FALLBACK["always"]
+                and not choice_guards(*args, scale=scale, enable_gqa=enable_gqa)):
+            return torch_own(*args, scale=scale, enable_gqa=enable_gqa)
+        _SDPA_FALLBACK["traced"] += 1
+        if attn_mask.dtype == torch.bool:  # True = attend, as torch's composite converts it for every backend
+            attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+        return torch.ops.aten._scaled_dot_product_attention_math.default(
+            query, key_, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+    op.py_impl(key)(sdpa)
+
+
+# "always": tests set it to check the math path on a torch that does not need it; "traced": how often it ran
+_SDPA_FALLBACK = {"always": False, "traced": 0}

@@ -25,6 +25,7 @@ _FSDP2_ADVICE = (
     "dpcompile.fully_shard(module, mesh=..., reshard_after_forward=..., "
     "mp_policy=dpcompile.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)) on each block, then the root"
 )
+_RESUME = "torch_dynamo_resume_in_"  # the code name dynamo gives the rest of a frame after a graph break
 _GENERIC_ADVICE = (
     "remove the graph break (TORCH_LOGS=graph_breaks lists every break; torch.compile(..., fullgraph=True) "
     "raises at the first), or move the code that breaks out of the step"
@@ -50,6 +51,10 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     if reason is not None and reason.graph_break and not _is_backward_call(reason):
         why = reason.reason.strip().splitlines()[0] if reason.reason else "no reason given"
         what = f"dynamo split the step at a graph break{_where(reason)}: {why}"
+    elif tx is not None and tx.f_code.co_name.startswith(_RESUME):
+        fn, _, line = tx.f_code.co_name[len(_RESUME):].rpartition("_at_")
+        what = (f"this graph is the rest of {fn} ({tx.f_code.co_filename}), which dynamo resumed after a graph "
+                f"break at line {line}; the frames that called it were split before it as well")
     elif isinstance(owner, torch.nn.Module) and tx.f_code.co_name == "forward":
         what = (f"this graph is {type(owner).__name__}.forward ({tx.f_code.co_filename}:"
                 f"{tx.f_code.co_firstlineno}) compiled on its own, without the loss: the frame that called it "

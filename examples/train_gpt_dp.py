@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     data = torch.randint(0, args.vocab, (args.dataset_size, args.seq + 1), generator=torch.Generator().manual_seed(0))
     rate = args.batch / args.dataset_size
     sampler = dpcompile.PoissonBatchSampler(args.dataset_size, sample_rate=rate, steps=args.steps, seed=1)
-    accountant = dpcompile.RDPAccountant(noise_multiplier=args.noise_multiplier, sample_rate=rate)
+    accountant = dpcompile.PrivacyAccountant(noise_multiplier=args.noise_multiplier, sample_rate=rate)
     for step, idx in enumerate(sampler):
         ids = data[idx].to(dev)
         x, y = ids[:, :-1], ids[:, 1:]

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
+from dpcompile.step_split import split_error_text
 
 from .context import DPPassContext
 
@@ -138,10 +139,10 @@ class BatchDimAnalysis:
                 )
             sizes.append((name, v.shape[bd % v.dim()]))
         if not sizes:
-            raise DPValueError(
-                "dp_fsdp found no batched data input in the compiled step: the samples must arrive as tensor "
-                "arguments of the step function (dim 0 is the batch unless the batch_dim option says otherwise)"
-            )
+            found = ("no batched data input: the samples must arrive as tensor arguments of the step function "
+                     "(dim 0 is the batch unless the batch_dim option says otherwise)")
+            raise DPValueError(split_error_text(ctx.split_step, found) if ctx.split_step is not None
+                               else f"dp_fsdp found {found}")
         self.B = sizes[0][1]
         for name, s in sizes[1:]:
             if not known(s == self.B):

@@ -82,6 +82,8 @@ SMALL_LAYER_CASES = {
     "embedding": Case(lambda: M.EmbNet(), lambda B: ((ids(B, 5, 11),), (torch.randn(B, 5, 3),)), M.mse),
     "embedding_padding": Case(lambda: M.EmbNet(padding_idx=0),
                               lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
+    "attention_padding_mask": Case(lambda: M.PaddedAttention(),
+                                   lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
 }
 LAYER_CASES = {
     **SMALL_LAYER_CASES,

@@ -114,6 +114,28 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class PaddedAttention(nn.Module):
+    """Attention that skips padding keys: a boolean mask of shape [B, 1, T, T] built from the token ids, as
+    Hugging Face models pass one (a per-sample mask, so its batch dim is the batch)."""
+
+    def __init__(self, vocab=11, d=6, n_head=2, pad=0):
+        super().__init__()
+        self.n_head, self.pad = n_head, pad
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.emb(ids)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        keep = (ids != self.pad)[:, None, None, :] & causal
+        keep = keep | torch.eye(T, dtype=torch.bool, device=ids.device)  # every query sees itself: no empty row
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.proj(a.transpose(1, 2).reshape(B, T, -1))
+
+
 class GPT(nn.Module):
     def __init__(self, vocab=13, d=8, n_head=2, n_layer=2, max_t=8, tied=False):
         super().__init__()

@@ -1,85 +1,91 @@
-"""The RDP accountant against an independent integral and Opacus, and the Poisson sampler's statistics."""
+"""The accountant and the noise multiplier for a target epsilon against Opacus, and the Poisson sampler's statistics."""
 import json
 import math
 
 import pytest
-import scipy.integrate
 import scipy.stats
 import torch
 
 import dpcompile
-from dpcompile.accounting import RDPAccountant, epsilon_from_rdp, sampled_gaussian_rdp
 
 
-def _rdp_by_integral(q, s, a):
-    """RDP(a) of the sampled Gaussian from its definition, E_{z~N(0,s^2)}[((1-q) + q e^{(2z-1)/(2s^2)})^a],
-    by quadrature: independent of the binomial sum the accountant uses."""
-    def f(z):
-        ratio = (1 - q) + q * math.exp((2 * z - 1) / (2 * s * s))
-        return scipy.stats.norm.pdf(z, scale=s) * ratio ** a
-
-    val, _ = scipy.integrate.quad(f, -40 * s, 40 * s, limit=500, epsabs=0, epsrel=1e-11)
-    return math.log(val) / (a - 1)
+CASES = [(0.01, 1.1, 10000, 1e-5), (0.004, 1.0, 5000, 1e-6), (0.1, 2.0, 100, 1e-5), (1.0, 5.0, 10, 1e-5)]
 
 
-@pytest.mark.parametrize("q,s,a", [(0.01, 1.1, 2), (0.01, 1.1, 8), (0.1, 2.0, 5), (0.3, 0.9, 3), (0.004, 1.0, 12)])
-def test_rdp_matches_the_definition(q, s, a):
-    got = sampled_gaussian_rdp(noise_multiplier=s, sample_rate=q, order=a)
-    assert got == pytest.approx(_rdp_by_integral(q, s, a), rel=1e-7)
+@pytest.mark.parametrize("mechanism", ["prv", "rdp"])
+@pytest.mark.parametrize("q,s,steps,delta", CASES)
+def test_epsilon_is_opacus_epsilon(q, s, steps, delta, mechanism):
+    """Steps recorded in bulk give what Opacus' own accountant gives after as many step() calls."""
+    from opacus.accountants import create_accountant
 
-
-def test_full_batch_is_the_gaussian_mechanism():
-    for a in (2, 7, 64):
-        assert sampled_gaussian_rdp(noise_multiplier=1.5, sample_rate=1.0, order=a) == pytest.approx(a / (2 * 2.25))
-    assert sampled_gaussian_rdp(noise_multiplier=0.0, sample_rate=0.5, order=4) == math.inf
-    assert sampled_gaussian_rdp(noise_multiplier=1.0, sample_rate=0.0, order=4) == 0.0
-
-
-# (q, noise multiplier, steps, delta) -> epsilon from Opacus 1.5.2 (opacus.accountants.analysis.rdp:
-# compute_rdp + get_privacy_spent with orders 2..256), an independent implementation.
-OPACUS = [
-    (0.01, 1.1, 10000, 1e-5, 5.654308000149469),
-    (0.004, 1.0, 5000, 1e-6, 1.9648369915329447),
-    (0.1, 2.0, 100, 1e-5, 2.58665217816753),
-    (1.0, 5.0, 10, 1e-5, 2.814109167845533),
-]
-
-
-@pytest.mark.parametrize("q,s,steps,delta,want", OPACUS)
-def test_epsilon_matches_opacus(q, s, steps, delta, want):
-    acc = RDPAccountant(noise_multiplier=s, sample_rate=q)
+    acc = dpcompile.PrivacyAccountant(noise_multiplier=s, sample_rate=q, mechanism=mechanism)
     acc.step(steps)
     assert acc.steps == steps
-    assert acc.epsilon(delta) == pytest.approx(want, rel=1e-9)
+    ref = create_accountant(mechanism)
+    for _ in range(steps):
+        ref.step(noise_multiplier=s, sample_rate=q)
+    assert acc.epsilon(delta) == pytest.approx(ref.get_epsilon(delta=delta), rel=1e-9)
 
 
-def test_steps_compose_and_phases_add():
-    one = RDPAccountant(noise_multiplier=1.0, sample_rate=0.02)
-    one.step(300)
-    split = RDPAccountant(noise_multiplier=1.0, sample_rate=0.02)
-    for _ in range(300):
-        split.step()
-    assert split.history == [[1.0, 0.02, 300]]
-    assert split.epsilon(1e-5) == pytest.approx(one.epsilon(1e-5), rel=1e-12)
-    # a second phase with more noise adds less than the first phase again
-    two = RDPAccountant(noise_multiplier=1.0, sample_rate=0.02)
-    two.step(300)
-    two.step(300, noise_multiplier=2.0)
-    double = RDPAccountant(noise_multiplier=1.0, sample_rate=0.02)
-    double.step(600)
-    assert one.epsilon(1e-5) < two.epsilon(1e-5) < double.epsilon(1e-5)
-    second = [300 * sampled_gaussian_rdp(noise_multiplier=2.0, sample_rate=0.02, order=a) for a in one.orders]
-    rdp_sum = [x + y for x, y in zip(one.rdp(), second)]
-    assert epsilon_from_rdp(rdp_sum, one.orders, 1e-5)[0] == pytest.approx(two.epsilon(1e-5), rel=1e-12)
+def test_default_is_prv_and_phases_compose():
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    acc = dpcompile.PrivacyAccountant(noise_multiplier=1.0, sample_rate=0.02)
+    assert isinstance(acc.opacus, PRVAccountant)
+    assert acc.epsilon(1e-5) == 0.0  # nothing spent yet
+    acc.step(300)
+    acc.step(300, noise_multiplier=2.0)
+    acc.step()
+    assert acc.history == [(1.0, 0.02, 300), (2.0, 0.02, 301)]
+    ref = RDPAccountant()
+    ref.history = [(1.0, 0.02, 300), (2.0, 0.02, 301)]
+    rdp = dpcompile.PrivacyAccountant(noise_multiplier=2.0, sample_rate=0.02, mechanism="rdp")
+    rdp.load_state_dict({**acc.state_dict(), "mechanism": "rdp"})
+    assert rdp.epsilon(1e-5) == pytest.approx(ref.get_epsilon(delta=1e-5), rel=1e-12)
+    one_phase = dpcompile.PrivacyAccountant(noise_multiplier=1.0, sample_rate=0.02)
+    one_phase.step(601)
+    assert acc.epsilon(1e-5) < one_phase.epsilon(1e-5)  # more noise in the second phase spends less
+    no_noise = dpcompile.PrivacyAccountant(noise_multiplier=0.0, sample_rate=0.02)
+    no_noise.step()
+    assert no_noise.epsilon(1e-5) == float("inf")
+
+
+@pytest.mark.parametrize("mechanism", ["prv", "rdp"])
+@pytest.mark.parametrize("plan", [dict(steps=500), dict(epochs=3)])
+def test_noise_multiplier_for_a_target_epsilon_is_opacus(mechanism, plan):
+    from opacus.accountants.utils import get_noise_multiplier
+
+    q, eps, delta = 0.01, 4.0, 1e-5
+    sigma = dpcompile.noise_multiplier_for(target_epsilon=eps, target_delta=delta, sample_rate=q,
+                                           accountant=mechanism, **plan)
+    assert sigma == get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q,
+                                         accountant=mechanism, **plan)
+    acc = dpcompile.PrivacyAccountant(noise_multiplier=sigma, sample_rate=q, mechanism=mechanism)
+    acc.step(plan.get("steps") or int(plan["epochs"] / q))
+    assert eps - 0.05 < acc.epsilon(delta) <= eps  # reaches the target, within Opacus' tolerance
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target_epsilon=0.0, target_delta=1e-5, sample_rate=0.1, steps=10), "target_epsilon"),
+    (dict(target_epsilon=1.0, target_delta=0.0, sample_rate=0.1, steps=10), "delta"),
+    (dict(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.0, steps=10), "sample_rate"),
+    (dict(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.1), "exactly one of steps"),
+    (dict(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.1, steps=10, epochs=1), "exactly one of steps"),
+    (dict(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.1, steps=0), "steps must be"),
+    (dict(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.1, steps=10, accountant="gdp2"), "accountant"),
+])
+def test_bad_target_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dpcompile.noise_multiplier_for(**kwargs)
 
 
 def test_checkpoint_round_trip_and_crash_safe_save(tmp_path, monkeypatch):
-    acc = RDPAccountant(noise_multiplier=1.3, sample_rate=0.01)
+    acc = dpcompile.PrivacyAccountant(noise_multiplier=1.3, sample_rate=0.01)
     acc.step(1000)
     path = tmp_path / "acc.json"
     acc.save(path)
-    loaded = RDPAccountant.load(path)
-    assert loaded.epsilon(1e-5) == acc.epsilon(1e-5) and loaded.steps == 1000
+    loaded = dpcompile.PrivacyAccountant.load(path)
+    assert loaded.epsilon(1e-5) == acc.epsilon(1e-5) and loaded.steps == 1000 and loaded.mechanism == "prv"
     # a crash while writing the next save leaves the previous file as it was
     acc.step(500)
 
@@ -90,25 +96,25 @@ def test_checkpoint_round_trip_and_crash_safe_save(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         acc.save(path)
     monkeypatch.undo()
-    assert RDPAccountant.load(path).steps == 1000
+    assert dpcompile.PrivacyAccountant.load(path).steps == 1000
     assert [p.name for p in tmp_path.iterdir()] == ["acc.json"]  # no temporary file left behind
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not an accountant file"):
-        RDPAccountant.load(path)
-    with pytest.raises(ValueError, match="not an RDPAccountant state"):
-        RDPAccountant(noise_multiplier=1.0, sample_rate=0.1).load_state_dict({"history": [[1.0]]})
+        dpcompile.PrivacyAccountant.load(path)
+    with pytest.raises(ValueError, match="not a PrivacyAccountant state"):
+        dpcompile.PrivacyAccountant(noise_multiplier=1.0, sample_rate=0.1).load_state_dict({"history": [[1.0]]})
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(noise_multiplier=-1.0, sample_rate=0.1), "noise_multiplier"),
     (dict(noise_multiplier=1.0, sample_rate=1.5), "sample_rate must be in"),
-    (dict(noise_multiplier=1.0, sample_rate=0.1, orders=[1]), "orders"),
+    (dict(noise_multiplier=1.0, sample_rate=0.1, mechanism="moments"), "accountant must be one of"),
 ])
 def test_bad_accountant_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        RDPAccountant(**kwargs)
+        dpcompile.PrivacyAccountant(**kwargs)
     with pytest.raises(ValueError, match="delta"):
-        RDPAccountant(noise_multiplier=1.0, sample_rate=0.1).epsilon(0.0)
+        dpcompile.PrivacyAccountant(noise_multiplier=1.0, sample_rate=0.1).epsilon(0.0)
 
 
 def test_poisson_batches_have_the_right_law_and_split_across_ranks():

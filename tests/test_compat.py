@@ -63,3 +63,27 @@ def test_k_dimensional_cross_entropy_traces_whole_with_an_unbacked_batch():
         torch._dynamo.decorators.mark_unbacked(y, 0)
         got = torch.compile(loss, backend="eager", fullgraph=True)(logits, y)  # fullgraph: a break raises
         torch.testing.assert_close(got, loss(logits, y), equal_nan=True)
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_masked_attention_falls_back_to_math_attention_exactly(schedule, monkeypatch):
+    """torch 2.11 cannot pick an SDPA kernel for a mask whose batch size is unbacked (a graph break inside
+    the attention); dpcompile then traces the math attention on the additive mask. Forced here (this
+    torch may not need it): exact against the oracle, one graph, for a batch of 4 and one of 1."""
+    import torch
+
+    import models as M
+    from cases import ids
+    from dpcompile import compat
+    from helpers import check_against_reference
+
+    monkeypatch.setitem(compat._SDPA_FALLBACK, "always", True)
+    before = compat._SDPA_FALLBACK["traced"]
+    for B in (4, 1):
+        torch.manual_seed(B)
+        x, y = ids(B, 5, 11, pad=0), torch.randn(B, 5, 3)
+        for t in (x, y):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        backend = check_against_reference(M.PaddedAttention(), M.mse, (x,), (y,), schedule=schedule)
+        assert len([r for r in backend.compiled if r.dp]) == 1
+    assert compat._SDPA_FALLBACK["traced"] > before

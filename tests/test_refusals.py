@@ -233,3 +233,19 @@ def test_sizes_of_per_sample_data_are_not_sample_data():
     dpcompile.mark_batch(x, y)
     backend = check_against_reference(Net(), M.mse, (x,), (y,), schedule="bk")
     assert "aten.sym_size.int(" in backend.compiled[0].graphs["joint_graph_before_dp"]
+
+
+class BreakFirstGPT(M.GPT):
+    """A GPT whose forward breaks before any op: the first piece dynamo hands over is the rest of forward."""
+
+    def forward(self, ids):
+        torch._dynamo.graph_break()
+        return super().forward(ids)
+
+
+def test_graph_resumed_after_a_break_is_refused_as_a_split_step():
+    model = BreakFirstGPT()
+    ids = torch.randint(0, 13, (4, 6))
+    expect_refusal(lambda: run(model, lambda m, ids: M.seq_ce(m(ids), ids).mean(), (ids,)),
+                   "only part of the training step", "the rest of forward", "resumed after a graph break",
+                   "What to do")

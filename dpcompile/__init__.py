@@ -36,6 +36,7 @@ def _locate_passes() -> None:
 _locate_passes()
 
 from dpcompile.accounting import PrivacyAccountant, noise_multiplier_for  # noqa: E402
+from dpcompile.accumulation import accumulate  # noqa: E402
 from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
@@ -49,7 +50,7 @@ from dpcompile.sampling import PoissonBatchSampler  # noqa: E402
 __all__ = [
     "DPBackend", "DPCompileError", "MixedPrecisionPolicy", "fully_shard", "DPConfig", "CompiledStep", "dump_graphs",
     "get_backend", "mark_batch", "private_step", "dp_fsdp", "bucket_collectives", "PrivacyAccountant",
-    "noise_multiplier_for",
+    "noise_multiplier_for", "accumulate",
     "PoissonBatchSampler",
 ]
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from dpcompile.accumulation import accumulating
 from dpcompile.batching import require_unbacked_batch
 from dpcompile.compat import guard_empty_y_grid, hint_mix_order_split
 from dpcompile.config import DPConfig
@@ -242,9 +243,13 @@ class DPPartitioner(CustomPartitionerFn):
                 data[node] = (gi.name, gi.batch_dim)
         seeds_pos = len(inputs)
         seeds_node = by_index.get(seeds_pos)
+        dropped_slot = grad_pos.get(seeds_pos + 1)  # the counter input, after the seeds
+        gate_node = by_index.get(seeds_pos + 2)  # the noise gate, after the counter
         ctx = DPPassContext(
             config=cfg, params=params, data_inputs=data,
             seeds_input_index=placeholders.index(seeds_node) if seeds_node is not None else None,
+            dropped_grad_index=dropped_slot,
+            noise_gate_input_index=placeholders.index(gate_node) if gate_node is not None else None,
             num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id, reshard_primals=reshard,
             sharded=any(gi.sharded for gi in inputs), split_step=self.split,
         )
@@ -341,6 +346,22 @@ class DPBackend:
         self.compiled: list[CompiledStep] = []
         self.noise = NoiseSeeds(config.seed)
         self.calls = 0  # DP graph executions, checked by private_step
+        self._dropped: dict[torch.device, torch.Tensor] = {}  # per device: a leaf whose .grad counts drops
+
+    def dropped_samples(self) -> int:
+        """How many samples this process's DP steps dropped since the last call (a sample whose gradient
+        is not finite: bad data, an overflow; it contributes nothing). Reading it waits for the GPU."""
+        total = 0
+        for leaf in self._dropped.values():
+            if leaf.grad is not None:
+                total += int(leaf.grad.item())
+                leaf.grad = None
+        return total
+
+    def _dropped_counter(self, device: torch.device) -> torch.Tensor:
+        if device not in self._dropped:
+            self._dropped[device] = torch.zeros((), device=device, requires_grad=True)
+        return self._dropped[device]
 
     # noise stream state, for checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -395,9 +416,12 @@ class DPBackend:
         refuse_inputs_with_gradients(inputs, example_inputs, split)
         device = next(ex.device for ex, gi in zip(example_inputs, inputs) if gi.kind == "param")
         seeds_example = self.noise.example(len(inputs), device)
-        gm = _with_seeds_input(gm, seeds_example)
+        counter = self._dropped_counter(device)
+        gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
+        gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
+                                     (_NOISE_GATE_INPUT_NAME, gate_on)])
         part = DPPartitioner(self, record, dumper, split)
-        compiled = compile_fx(gm, [*example_inputs, seeds_example], config_patches={
+        compiled = compile_fx(gm, [*example_inputs, seeds_example, counter, gate_on], config_patches={
             "custom_partitioner_fn": part,
             # pad_mm pads and re-slices contractions in the joint graph; the
             # per-sample norms are cheaper on the unpadded ones
@@ -407,15 +431,21 @@ class DPBackend:
 
         def dp_step(*args):
             self.calls += 1
+            if accumulating():  # no noise, and the noise stream stays where it is
+                return compiled(*args, seeds_example, counter, gate_off)
             seeds = self.noise.next(n_seeds, device)
-            return compiled(*args, seeds)
+            return compiled(*args, seeds, counter, gate_on)
 
         dp_step._dpcompile_record = record  # type: ignore[attr-defined]
         return dp_step
 
 
-def _with_seeds_input(gm: fx.GraphModule, seeds_example: torch.Tensor) -> fx.GraphModule:
-    """A copy of dynamo's graph with one more input, the noise seeds.
+_DROPPED_INPUT_NAME = "dpcompile_dropped_samples"
+_NOISE_GATE_INPUT_NAME = "dpcompile_noise_gate"  # 1.0: add the noise; 0.0: inside dpcompile.accumulate()
+
+
+def _with_extra_inputs(gm: fx.GraphModule, extra: list[tuple[str, torch.Tensor]]) -> fx.GraphModule:
+    """A copy of dynamo's graph with more inputs: the noise seeds, the dropped-sample counter.
 
     Dynamo keeps using its own graph after the backend returns, so the extra
     placeholder goes on a copy that carries what AOTAutograd reads from a
@@ -431,12 +461,13 @@ def _with_seeds_input(gm: fx.GraphModule, seeds_example: torch.Tensor) -> fx.Gra
     for old_ph, new_ph in zip(gm.graph.find_nodes(op="placeholder"), new_graph.find_nodes(op="placeholder")):
         if hasattr(old_ph, "_dynamo_source"):
             new_ph._dynamo_source = old_ph._dynamo_source
-    last = new_graph.find_nodes(op="placeholder")[-1]
-    with new_graph.inserting_after(last):
-        ph = new_graph.placeholder(SEEDS_INPUT_NAME)
-    ph.meta["example_value"] = seeds_example
-    ph.meta["val"] = seeds_example
-    ph._dynamo_source = None  # not a user input
+    for name, example in extra:
+        last = new_graph.find_nodes(op="placeholder")[-1]
+        with new_graph.inserting_after(last):
+            ph = new_graph.placeholder(name)
+        ph.meta["example_value"] = example
+        ph.meta["val"] = example
+        ph._dynamo_source = None  # not a user input
     new.recompile()
     return new
 

@@ -56,15 +56,43 @@ class PoissonBatchSampler:
         """Of the global batch: what ``expected_batch_size`` of the dp_fsdp options should be."""
         return self.sample_rate * self.num_samples
 
+    def _global_batch(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed((self.seed * _MIX + step) % (1 << 63))
+        return (torch.rand(self.num_samples, generator=g) < self.sample_rate).nonzero().flatten()
+
     def batch(self, step: int) -> list[int]:
         """This rank's part of step ``step``'s global batch."""
-        g = torch.Generator().manual_seed((self.seed * _MIX + step) % (1 << 63))
-        chosen = (torch.rand(self.num_samples, generator=g) < self.sample_rate).nonzero().flatten()
+        chosen = self._global_batch(step)
         return chosen[chosen % self.world_size == self.rank].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         for t in range(self.start_step, self.steps):
             yield self.batch(t)
+
+    def micro_batches(self, max_size: int) -> Iterator[tuple[list[int], bool]]:
+        """Every step's batch in micro-batches of at most ``max_size`` indices: ``(indices, last)``, where
+        ``last`` marks the final micro-batch of a step (run it outside ``dpcompile.accumulate()``).
+
+        Every rank yields the same number of micro-batches per step (enough for the largest rank's part;
+        each rank knows every part, they come from the shared seed), so sharded ranks issue the same
+        collectives; a rank's micro-batches may be empty, and a step with no samples is one empty
+        micro-batch (its noise is still added). Opacus' BatchMemoryManager, for this sampler.
+        """
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"micro_batches: max_size must be an int >= 1 (the physical batch size), got {max_size!r}")
+        for t in range(self.start_step, self.steps):
+            chosen = self._global_batch(t)
+            owner = chosen % self.world_size
+            largest = int(torch.bincount(owner, minlength=self.world_size).max()) if len(chosen) else 0
+            n = max(1, -(-largest // max_size))
+            mine = chosen[owner == self.rank].tolist()
+            # as even as possible: the first len(mine) % n micro-batches get one more
+            size, extra = divmod(len(mine), n)
+            start = 0
+            for j in range(n):
+                end = start + size + (j < extra)
+                yield mine[start:end], j == n - 1
+                start = end
 
     def __len__(self) -> int:
         return max(self.steps - self.start_step, 0)

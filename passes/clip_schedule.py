@@ -29,39 +29,74 @@ from .context import DPPassContext
 aten = torch.ops.aten
 
 
-def sample_scale(b: GraphBuilder, lay: Batched, r: fx.Node, B: Any, ndim: int, d: int, N: Any, dtype) -> fx.Node:
-    """r laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1], value r[sample(j)]."""
-    R = b.call(aten.expand.default, b.view(r, [1, B, 1]), [lay.outer, B, lay.inner])
+def sample_layout(b: GraphBuilder, lay: Batched, v: fx.Node, B: Any, ndim: int, d: int, N: Any) -> fx.Node:
+    """v (one value per sample) laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1]."""
+    R = b.call(aten.expand.default, b.view(v, [1, B, 1]), [lay.outer, B, lay.inner])
     shape = [1] * ndim
     shape[d] = N
-    R = b.reshape(R, shape)
+    return b.reshape(R, shape)
+
+
+def sample_scale(b: GraphBuilder, lay: Batched, r: fx.Node, B: Any, ndim: int, d: int, N: Any, dtype) -> fx.Node:
+    """r laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1], value r[sample(j)]."""
+    R = sample_layout(b, lay, r, B, ndim, d, N)
     if dtype != torch.float32:
         R = b.call(torch.ops.prims.convert_element_type.default, R, dtype)
     return R
 
 
-def row_scale(b: GraphBuilder, x: fx.Node, lay: Batched, r: fx.Node, B: Any) -> fx.Node:
-    """x * r[sample(j)] along x's sample dim, r cast to x's dtype."""
+def zero_dropped_rows(b: GraphBuilder, x: fx.Node, lay: Batched, keep: fx.Node | None, B: Any) -> fx.Node:
+    """where(keep[sample(j)], x, 0): a dropped sample's rows are exact zeros, also where x holds inf or
+    NaN (a product with a zero coefficient would not be)."""
+    if keep is None or lay.dim is None:
+        return x
     xv = x.meta["val"]
-    return b.call(aten.mul.Tensor, x, sample_scale(b, lay, r, B, xv.dim(), lay.dim, xv.shape[lay.dim], xv.dtype))
+    K = sample_layout(b, lay, keep, B, xv.dim(), lay.dim, xv.shape[lay.dim])
+    return b.call(aten.where.self, K, x, b.call(aten.scalar_tensor.default, 0.0, dtype=xv.dtype))
 
 
-def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node, B: Any) -> fx.Node:
-    node = c.node
-    args = list(node.args)
+def row_scale(b: GraphBuilder, x: fx.Node, lay: Batched, r: fx.Node, B: Any, keep: fx.Node | None = None) -> fx.Node:
+    """x * r[sample(j)] along x's sample dim, r cast to x's dtype (dropped samples' rows zeroed)."""
+    xv = x.meta["val"]
+    scaled = b.call(aten.mul.Tensor, x, sample_scale(b, lay, r, B, xv.dim(), lay.dim, xv.shape[lay.dim], xv.dtype))
+    return zero_dropped_rows(b, scaled, lay, keep, B)
+
+
+def _operand_positions(c: Contribution) -> dict[int, Batched]:
+    """Argument position -> sample layout of every per-sample operand of a contribution."""
     if c.kind == "mm":
-        i = c.scaled_operand
-        args[i] = row_scale(b, args[i], c.layouts[i], r, B)
-    elif c.kind == "sum":
-        args[0] = row_scale(b, args[0], c.layouts[0], r, B)
-    elif c.kind == "index_put":
-        vi = 3 if node.target is aten._unsafe_masked_index_put_accumulate.default else 2
-        args[vi] = row_scale(b, args[vi], c.layouts["values"], r, B)
-    elif c.kind == "embedding_backward":
-        args[0] = row_scale(b, args[0], c.layouts["values"], r, B)
-    else:
-        raise AssertionError(c.kind)
-    return b.call(node.target, *args, **node.kwargs)
+        return dict(c.layouts)
+    if c.kind == "index_put":
+        return {3 if c.node.target is aten._unsafe_masked_index_put_accumulate.default else 2: c.layouts["values"]}
+    if c.kind == "embedding_backward":
+        return {0: c.layouts["values"]}
+    if c.kind == "sum":
+        return {0: c.layouts[0]}
+    raise AssertionError(c.kind)
+
+
+def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: Any, keep: fx.Node | None = None,
+                        arg_of=lambda a: a) -> fx.Node:
+    """The contribution rebuilt with its tangent-side operand row-scaled by r (r None: not scaled) and every
+    per-sample operand's dropped rows zeroed."""
+    node = c.node
+    args = list(fx.node.map_arg(tuple(node.args), arg_of))
+    positions = _operand_positions(c)
+    scaled = c.scaled_operand if c.kind == "mm" else next(iter(positions))
+    for i, lay in positions.items():
+        if i == scaled and r is not None:
+            args[i] = row_scale(b, args[i], lay, r, B, keep)
+        else:
+            args[i] = zero_dropped_rows(b, args[i], lay, keep, B)
+    return b.call(node.target, *args, **fx.node.map_arg(dict(node.kwargs), arg_of))
+
+
+def _pads_contractions(ctx: DPPassContext) -> bool:
+    from . import aligned_contractions
+
+    if "aligned_contractions" in ctx.config.disable_passes:
+        return False
+    return any(p.primal.meta["val"].device.type in aligned_contractions.PAD_DEVICES for p in ctx.params)
 
 
 def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
@@ -117,16 +152,30 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
         return gm
     B = ctx.batch_size
     sched_report = ctx.summary.setdefault("schedule", {"requested": ctx.config.schedule})
+    keep = ctx.keep_rows
+    if keep is not None and ctx.sharded and _pads_contractions(ctx):
+        # KNOWN BUG (issue note, 2026-11-23): zeroing dropped rows in contractions that aligned_contractions
+        # then pads made 2 gloo ranks issue different collectives (a deadlock in
+        # test_padded_contractions_on_a_sharded_model). Until that is understood, a sharded graph that pads
+        # (CUDA bf16 by default) drops bad samples by their zero coefficient only: an inf/NaN activation of
+        # a dropped sample can still reach the gradient there, as before dropping existed.
+        keep = None
+        ctx.summary["nonfinite_samples"] = ("coefficient 0 only (sharded and padded contractions: rows are not "
+                                            "zeroed yet); DPBackend.dropped_samples() counts them")
 
     if ctx.whole_gradient_mode:
         with graph.inserting_before(out):
             rs = b.call(aten.squeeze.dim, r, 0)
+            ks = b.call(aten.squeeze.dim, keep, 0) if keep is not None else None
             for pg in ctx.decompositions.values():
                 # scale before any cross-rank sum (r is this rank's sample's): each local gradient
                 for g, _ in pg.local_terms:
                     rr = rs if g.meta["val"].dtype == torch.float32 else b.call(
                         torch.ops.prims.convert_element_type.default, rs, g.meta["val"].dtype)
                     scaled = b.call(aten.mul.Tensor, g, rr)
+                    if ks is not None:  # a non-finite gradient of the one sample is dropped
+                        scaled = b.call(aten.where.self, ks, scaled,
+                                        b.call(aten.scalar_tensor.default, 0.0, dtype=g.meta["val"].dtype))
                     if not pg.locals:
                         _replace_output(out, pg.param.grad_output_index, scaled)
                     else:
@@ -149,12 +198,12 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
             if c not in deferred:
                 continue
             b.meta_source = c.node
-            new = scaled_contribution(b, c, r, B)
+            new = scaled_contribution(b, c, r, B, keep)
             c.node.replace_all_uses_with(new)
             ctx.counters["bk_deferred_contractions"] += 1
     # ghost: a second backward for the parameters with recomputed contributions
     if recompute:
-        _second_backward(gm, ctx, b, out, r, B, {c.node for c in recompute})
+        _second_backward(gm, ctx, b, out, r, B, {c.node for c in recompute}, keep)
     sched_report["deferred"] = sorted(c.node.name for c in deferred)
     sched_report["recomputed"] = sorted(c.node.name for c in recompute)
     sched_report["used"] = "bk" if not recompute else ("ghost" if not deferred else "auto (bk + ghost)")
@@ -166,7 +215,7 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     return gm
 
 
-def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[fx.Node]) -> None:
+def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[fx.Node], keep=None) -> None:
     """Copies the backward with the loss tangent scaled per sample.
 
     The scaling goes where the tangent first meets per-sample data: at a node
@@ -198,13 +247,14 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
             b.meta_source = node
             st = states.get(node)
             free_t = [a for a in node.all_input_nodes if a in tdep and states.get(a) is FREE]
-            if not free_t or st is FREE or node.target is operator.getitem:
+            if node in ctx.contributions and not free_t:
+                # a sum over samples of already scaled rows: zero the dropped samples' rows of every operand
+                new = scaled_contribution(b, ctx.contributions[node], None, B, keep, arg_of)
+            elif not free_t or st is FREE or node.target is operator.getitem:
                 new = graph.node_copy(node, arg_of)
             elif node in ctx.contributions:
                 # a contraction whose tangent-side operand has no sample dim of its own
-                c = ctx.contributions[node]
-                new = scaled_contribution(b, c, r, B)
-                new.args = fx.node.map_arg(new.args, arg_of)
+                new = scaled_contribution(b, ctx.contributions[node], r, B, keep, arg_of)
                 ctx.counters["ghost_tangent_scalings"] += 1
             elif isinstance(st, Batched) and st.dim is not None:
                 batched_t = [a for a in node.all_input_nodes if a in tdep and isinstance(states.get(a), Batched)]

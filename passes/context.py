@@ -32,6 +32,8 @@ class DPPassContext:
     reshard_primals: set = dataclasses.field(default_factory=set)  # params gathered again in the backward
     rank: int = 0
     split_step: Any = None  # dpcompile.step_split.Split: where dynamo split the step before its loss
+    dropped_grad_index: int | None = None  # joint output slot: the dropped-sample count (its input's gradient)
+    noise_gate_input_index: int | None = None  # placeholder index of the 0/1 noise factor (dpcompile.accumulate)
     # filled by the passes -------------------------------------------------
     batch_size: Any = None
     states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
@@ -40,6 +42,7 @@ class DPPassContext:
     decompositions: dict[str, Any] = dataclasses.field(default_factory=dict)  # param name -> ParamGrad
     scale_rows: fx.Node | None = None  # r = c * M * k, shape [B]
     clip_coef: fx.Node | None = None
+    keep_rows: fx.Node | None = None  # bool, shape of r: the sample's gradient is finite (else it is dropped)
     per_sample_norms: fx.Node | None = None
     contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     analysis: Any = None

@@ -34,6 +34,9 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     std = ctx.loss.k * sigma * ctx.config.max_grad_norm
     with graph.inserting_before(out):
         scale = b.call(aten.mul.Tensor, b.f32(ctx.loss.tangent), std)
+        if ctx.noise_gate_input_index is not None:  # 0 inside dpcompile.accumulate(): noise once per logical batch
+            gate = graph.find_nodes(op="placeholder")[ctx.noise_gate_input_index]
+            scale = b.call(aten.mul.Tensor, scale, gate)
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
             g = outs[i]

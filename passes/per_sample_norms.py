@@ -369,9 +369,26 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         denom = b.call(aten.add.Tensor, norms, ctx.config.norm_eps)
         coef = b.call(aten.clamp_max.default,
                       b.call(aten.mul.Tensor, b.call(aten.reciprocal.default, denom), ctx.config.max_grad_norm), 1.0)
+        # a sample whose gradient is not finite (bad data, overflow) is dropped: coefficient 0, and the
+        # contractions zero its rows (clip_schedule), since 0 * inf would still be NaN
+        keep = b.call(aten.lt.Scalar, norms, float("inf"))  # norms >= 0: False for inf and NaN
+        coef = b.call(aten.where.self, keep, coef, b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32))
         r = b.call(aten.mul.Tensor, b.call(aten.mul.Tensor, coef, loss.M), loss.k)  # M may be symbolic
     ctx.per_sample_norms = norms
     ctx.clip_coef = coef
+    ctx.keep_rows = keep
+    ctx.summary["nonfinite_samples"] = ("dropped: a sample whose gradient norm is inf or NaN gets clip coefficient 0 "
+                                        "and zero rows in every contraction; DPBackend.dropped_samples() counts them")
+    if ctx.dropped_grad_index is not None:
+        # how many samples were dropped: the gradient of the backend's counter input, which autograd
+        # accumulates into counter.grad (DPBackend.dropped_samples reads it)
+        with graph.inserting_before(out):
+            dropped = b.call(aten.sum.default, b.call(torch.ops.prims.convert_element_type.default,
+                                                      b.call(aten.logical_not.default, keep), torch.float32))
+        outs = list(out.args[0])
+        outs[ctx.dropped_grad_index] = dropped
+        out.args = (tuple(outs),) + tuple(out.args[1:])
+        ctx.counters["dropped_sample_counters"] += 1
     ctx.scale_rows = r
     ctx.counters["clip_coefficients"] += 1
     return gm

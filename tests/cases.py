@@ -147,6 +147,33 @@ def side_by_side(cases: dict[str, Case]) -> Case:
     return Case(model, data, loss)
 
 
+def with_bad_samples(case: Case, bad_input=1, bad_weight=2) -> Case:
+    """The case with one more input, a per-sample loss weight, and two bad samples in every batch large
+    enough: sample ``bad_input``'s float inputs hold NaN (so do its activations) and sample ``bad_weight``'s
+    weight is inf (its gradient is inf or NaN). dpcompile must drop both and leave the others' clipped
+    sum as it is (the oracle drops a sample whose gradient is not finite)."""
+
+    def data(B):
+        inputs, targets = case.data(B)
+        if B > bad_input:
+            inputs = tuple(x.clone().index_fill_(0, torch.tensor([bad_input]), float("nan"))
+                           if x.is_floating_point() else x for x in inputs)
+        w = torch.ones(B)
+        if B > bad_weight:
+            w[bad_weight] = float("inf")
+        return inputs, (*targets, w)
+
+    def loss(out, *targets):
+        return case.loss(out, *targets[:-1]) * targets[-1]
+
+    return Case(case.model, data, loss, case.reduction)
+
+
+def finite_median(norms: torch.Tensor) -> float:
+    """A clipping bound with samples above and below it, among the samples that are not dropped."""
+    return float(norms[norms.isfinite()].median())
+
+
 # what the sharded tests run: the small layer kinds side by side (one compile), then every model
 SHARDED_CASES = {"layer_kinds": side_by_side(SMALL_LAYER_CASES),
                  **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES}}

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import cases
 import dpcompile
 import models as M
 from reference import dp_reference
@@ -141,15 +142,14 @@ def shard_like_a_user(model, mesh, **kwargs):
 def every_case(rank, world, init_file, out_dir, runs):
     """Runs (case name in cases.SHARDED_CASES, schedule, "compile" or "private_step") sharded on 2 ranks.
 
-    Steps with per-rank batch sizes SHARDED_STEPS (different data on each rank); after each, every rank's
-    gathered gradient must equal the float64 oracle on the concatenated batch, clipping active. One graph
-    must serve all the steps. Results (or the error) per run go to a JSON file per rank.
+    Steps with per-rank batch sizes SHARDED_STEPS (different data on each rank; the (5, 3) step accumulated
+    from 2 micro-batches per rank); after each, every rank's gathered gradient must equal the float64 oracle
+    on the concatenated batch, clipping active, bad samples dropped and counted. One graph must serve all
+    the steps. Results (or the error) per run go to a JSON file per rank.
     """
     import datetime
     import json
     import traceback
-
-    import cases
 
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     # a collective one rank never reaches fails the case after 2 minutes instead of hanging the run
@@ -160,8 +160,8 @@ def every_case(rank, world, init_file, out_dir, runs):
     for n, (name, schedule, form) in enumerate(runs):
         torch._dynamo.reset()
         try:
-            results[f"{name}-{schedule}-{form}"] = _sharded_case(cases.SHARDED_CASES[name], mesh, rank, schedule,
-                                                                 form, seed=n)
+            case = cases.with_bad_samples(cases.SHARDED_CASES[name])  # two samples of a step are dropped
+            results[f"{name}-{schedule}-{form}"] = _sharded_case(case, mesh, rank, schedule, form, seed=n)
         except Exception:  # noqa: BLE001 - reported per run to the test
             results[f"{name}-{schedule}-{form}"] = {"error": traceback.format_exc()[-4000:]}
     with open(os.path.join(out_dir, f"cases{rank}.json"), "w") as f:
@@ -179,7 +179,7 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     ref_model = copy.deepcopy(model)
     _, norms = dp_reference(ref_model, case.loss, tuple(every[:n_in]), tuple(every[n_in:]), max_grad_norm=1.0,
                             reduction=case.reduction, expected_batch_size=9)
-    C = float(norms.median())  # over the samples of all steps: some clipped, some not
+    C = cases.finite_median(norms)  # over the samples of all steps: some clipped, some not
     shard_like_a_user(model, mesh)
     options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule, seed=seed)
 
@@ -202,7 +202,24 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
         lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
         local = tuple(t[lo:hi].clone() for t in inputs), tuple(t[lo:hi].clone() for t in targets)
         model.zero_grad(set_to_none=True)
-        compiled(*local)
+        # the (5, 3) step as a logical batch of 2 micro-batches per rank (dpcompile.accumulate)
+        n_micro = 2 if sizes == (5, 3) else 1
+        cuts = [hi - lo] if n_micro == 1 else [(hi - lo + 1) // 2, (hi - lo) // 2]
+        start = 0
+        for j, cut in enumerate(cuts):
+            part = tuple(tuple(t[start: start + cut] for t in ts) for ts in local)
+            with dpcompile.accumulate(enabled=j < n_micro - 1):
+                compiled(*part)
+            start += cut
+        # cases.with_bad_samples: a sample with a non-finite float input or weight is dropped, counted where
+        # it lives
+        bad = torch.zeros(sum(sizes), dtype=torch.bool)
+        for t in (*inputs, *targets):
+            if t.is_floating_point() and len(t):
+                bad |= ~t.reshape(len(t), -1).isfinite().all(1)
+        bad_here = int(bad[lo:hi].sum())
+        got = backend.dropped_samples()
+        assert got == bad_here, (sizes, rank, got)
         if sum(sizes):
             ref, n = dp_reference(ref_model, case.loss, inputs, targets, max_grad_norm=C, reduction=case.reduction,
                                   expected_batch_size=9)

@@ -26,8 +26,9 @@ def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule
     B = inputs[0].shape[0]
     _, norms = dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=1.0, reduction=reduction,
                             expected_batch_size=B)
-    C = float(norms.median()) if B > 1 else float(norms[0]) * 0.5
-    if B > 1:
+    finite = norms[norms.isfinite()]
+    C = float(finite.median()) if len(finite) > 1 else float(finite[0]) * 0.5 if len(finite) else 1.0
+    if len(finite) > 1:
         assert (norms > C).any() and (norms < C).any(), norms
     ref, _ = dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=C, reduction=reduction,
                           expected_batch_size=B + 1)
@@ -40,5 +41,7 @@ def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule
             assert p.grad is None, f"frozen parameter {name} got a gradient"
             continue
         assert p.grad is not None, f"no gradient for {name}"
-        torch.testing.assert_close(p.grad.double(), ref[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        # fp32 against fp64: an entry that is a sum with cancellation is off by ~1e-6 of the tensor's scale
+        tol = atol + 1e-6 * float(ref[name].abs().max())
+        torch.testing.assert_close(p.grad.double(), ref[name], rtol=rtol, atol=tol, msg=lambda m: f"{name}: {m}")
     return backend

@@ -20,7 +20,9 @@ def dp_reference(
     eps: float = 1e-6,
     forward: Callable | None = None,  # (model, *inputs) -> output; default model(*inputs)
 ):
-    """Returns (clipped gradient dict in float64, per-sample norms [B])."""
+    """Returns (clipped gradient dict in float64, per-sample norms [B]).
+
+    A sample whose gradient is not finite (its norm is inf or NaN) is dropped: it contributes zero."""
     ref = copy.deepcopy(model).double()
     params = {k: v.detach() for k, v in ref.named_parameters() if v.requires_grad}
     frozen = {k: v.detach() for k, v in ref.named_parameters() if not v.requires_grad}
@@ -54,7 +56,9 @@ def dp_reference(
     g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
     B = inputs[0].shape[0]
     norms = torch.sqrt(sum(v.reshape(B, -1).pow(2).sum(1) for v in g.values()))
-    c = (max_grad_norm / (norms + eps)).clamp(max=1.0)
+    keep = norms.isfinite()
+    c = torch.where(keep, (max_grad_norm / (norms + eps)).clamp(max=1.0), 0.0)
     k = 1.0 / expected_batch_size if reduction == "mean" else 1.0
-    clipped = {n: torch.einsum("b,b...->...", c, v) * k for n, v in g.items()}
+    clipped = {n: torch.einsum("b,b...->...", c, torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, 0.0)) * k
+               for n, v in g.items()}
     return clipped, norms

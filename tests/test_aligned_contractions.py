@@ -6,6 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import dpcompile
 import models as M
 from dpcompile.passes import aligned_contractions as AC
 from dpcompile.passes.cleanup import finalize
@@ -68,8 +69,7 @@ def test_padded_contractions_give_the_exact_gradients(monkeypatch):
     for schedule in ("bk", "ghost"):
         model = M.GPT(vocab=13, d=12, n_head=2, n_layer=1, max_t=6, tied=True)
         ids, y = torch.randint(0, 13, (4, 6)), torch.randint(0, 13, (4, 6))
-        for t in (ids, y):
-            torch._dynamo.decorators.mark_unbacked(t, 0)  # as a sharded step: only static sizes are padded
+        dpcompile.mark_batch(ids, y)  # as a sharded step: only static sizes are padded
         backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule)
         (record,) = [r for r in backend.compiled if r.dp]
         assert record.counters["contractions_padded"] >= 8, record.counters

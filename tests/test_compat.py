@@ -1,6 +1,7 @@
 """The fixes dpcompile adds to older torch releases."""
 import pytest
 
+import dpcompile
 from dpcompile.compat import guard_empty_y_grid, hint_mix_order_split, unbacked_size_hints
 
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
@@ -59,8 +60,7 @@ def test_k_dimensional_cross_entropy_traces_whole_with_an_unbacked_batch():
 
     for n in (3, 0, 1):
         logits, y = torch.randn(n, 4, 5), torch.randint(0, 5, (n, 4))
-        torch._dynamo.decorators.mark_unbacked(logits, 0)
-        torch._dynamo.decorators.mark_unbacked(y, 0)
+        dpcompile.mark_batch(logits, y)
         got = torch.compile(loss, backend="eager", fullgraph=True)(logits, y)  # fullgraph: a break raises
         torch.testing.assert_close(got, loss(logits, y), equal_nan=True)
 
@@ -82,8 +82,7 @@ def test_masked_attention_falls_back_to_math_attention_exactly(schedule, monkeyp
     for B in (4, 1):
         torch.manual_seed(B)
         x, y = ids(B, 5, 11, pad=0), torch.randn(B, 5, 3)
-        for t in (x, y):
-            torch._dynamo.decorators.mark_unbacked(t, 0)
+        dpcompile.mark_batch(x, y)
         backend = check_against_reference(M.PaddedAttention(), M.mse, (x,), (y,), schedule=schedule)
         assert len([r for r in backend.compiled if r.dp]) == 1
     assert compat._SDPA_FALLBACK["traced"] > before

@@ -2,16 +2,20 @@
 import pytest
 import torch
 
+import dpcompile
+
 import models as M
-from cases import CASES, check_case_invariants, ids as _ids
+from cases import CASES, check_case_invariants, ids as _ids, with_bad_samples
 from helpers import check_against_reference
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference(case, schedule):
-    c = CASES[case]
-    inputs, targets = c.data(4)
+    """6 samples of which 2 are bad (a NaN input, an inf loss weight): those are dropped, the other 4
+    clipped and summed exactly."""
+    c = with_bad_samples(CASES[case])
+    inputs, targets = c.data(6)
     backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, reduction=c.reduction)
     (record,) = [r for r in backend.compiled if r.dp]
     check_case_invariants(case, record.counters, record.summary)
@@ -75,7 +79,7 @@ def test_varying_batch_sizes_use_a_dynamic_graph(schedule):
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 def test_unbacked_batch_one_graph_for_every_size(schedule):
-    """Batch dims marked unbacked one by one (two symbols, proven equal only through a product) and a
+    """Batch dims marked with dpcompile.mark_batch (one unbacked size shared by ids and targets) and a
     model with view(B, T, H, -1): one graph runs B = 3, 0, 1, 4 exactly (B = 0: a zero gradient)."""
     from reference import dp_reference
 
@@ -97,8 +101,7 @@ def test_unbacked_batch_one_graph_for_every_size(schedule):
     clipped = unclipped = 0
     for ids, y in batches:
         B = ids.shape[0]
-        torch._dynamo.decorators.mark_unbacked(ids, 0)
-        torch._dynamo.decorators.mark_unbacked(y, 0)
+        dpcompile.mark_batch(ids, y)
         model.zero_grad(set_to_none=True)
         compiled(ids, y)
         if B:
@@ -123,8 +126,7 @@ def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d,
     torch.manual_seed(0)
     model = M.GPT(vocab=520, d=d, n_head=2, n_layer=1, max_t=T, tied=True)
     ids, y = _ids(4, T, 520), _ids(4, T, 520)
-    for t in (ids, y):
-        torch._dynamo.decorators.mark_unbacked(t, 0)
+    dpcompile.mark_batch(ids, y)
     backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, linear_norm=linear_norm)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters["per_sample_two_stage_sums"] >= at_least
@@ -202,3 +204,33 @@ def test_weight_used_through_two_slices(schedule):
     model = SplitWeight()
     inputs, targets = (torch.randn(4, 4) * 2,), (torch.randn(4, 4),)
     check_against_reference(model, M.mse, inputs, targets, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_dropped_samples_are_counted_and_a_lone_bad_sample_gives_zero(schedule):
+    """backend.dropped_samples() counts the samples whose gradient was not finite since its last call; a
+    batch of one bad sample (the whole-gradient path) and a batch of only bad samples give exact zeros."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = M.MLP()
+    backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, schedule=schedule)
+
+    def step(x, y):
+        loss = M.ce(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend=backend)
+    x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
+    x[3] = float("nan")
+    compiled(x, y)
+    assert backend.dropped_samples() == 1 and backend.dropped_samples() == 0
+    for bad in (x[3:4], torch.full((3, 5), float("inf"))):  # B = 1 (its own graph), then a symbolic B
+        model.zero_grad(set_to_none=True)
+        compiled(bad, y[: len(bad)])
+        assert backend.dropped_samples() == len(bad)
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, torch.zeros_like(p)), n
+    summary = [r for r in backend.compiled if r.dp][0].summary
+    assert "dropped" in summary["nonfinite_samples"]

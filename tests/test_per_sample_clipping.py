@@ -210,25 +210,19 @@ def test_weight_used_through_two_slices(schedule):
 def test_dropped_samples_are_counted_and_a_lone_bad_sample_gives_zero(schedule):
     """backend.dropped_samples() counts the samples whose gradient was not finite since its last call; a
     batch of one bad sample (the whole-gradient path) and a batch of only bad samples give exact zeros."""
-    import dpcompile
+    from helpers import compile_step
 
     torch.manual_seed(0)
     model = M.MLP()
-    backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, schedule=schedule)
-
-    def step(x, y):
-        loss = M.ce(model(x), y).mean()
-        loss.backward()
-        return loss.detach()
-
-    compiled = torch.compile(step, backend=backend)
+    compiled, backend = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
+                                     schedule=schedule)
     x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
     x[3] = float("nan")
-    compiled(x, y)
+    compiled((x,), (y,))
     assert backend.dropped_samples() == 1 and backend.dropped_samples() == 0
     for bad in (x[3:4], torch.full((3, 5), float("inf"))):  # B = 1 (its own graph), then a symbolic B
         model.zero_grad(set_to_none=True)
-        compiled(bad, y[: len(bad)])
+        compiled((bad,), (y[: len(bad)],))
         assert backend.dropped_samples() == len(bad)
         for n, p in model.named_parameters():
             assert torch.equal(p.grad, torch.zeros_like(p)), n

@@ -23,6 +23,7 @@ a Python decomposition, used only while tracing (the Python dispatcher) and
 only when a size of the input is unbacked: move the class dim last, flatten to
 ``[N * d1 * ..., C]`` with explicit sizes and take the 2-D ``nll_loss``, which
 is the same per-element loss and the same reduction.
+
 ``scaled_dot_product_attention`` with an ``attn_mask`` whose batch size is
 unbacked: torch 2.11's C++ kernel choice asks whether the mask's batch is 1
 (to broadcast it), which dynamo cannot decide; it graph-breaks inside the

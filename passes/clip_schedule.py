@@ -91,14 +91,6 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
     return b.call(node.target, *args, **fx.node.map_arg(dict(node.kwargs), arg_of))
 
 
-def _pads_contractions(ctx: DPPassContext) -> bool:
-    from . import aligned_contractions
-
-    if "aligned_contractions" in ctx.config.disable_passes:
-        return False
-    return any(p.primal.meta["val"].device.type in aligned_contractions.PAD_DEVICES for p in ctx.params)
-
-
 def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
     """Bytes the deferred operand holds at the expected batch size.
 
@@ -153,15 +145,6 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     B = ctx.batch_size
     sched_report = ctx.summary.setdefault("schedule", {"requested": ctx.config.schedule})
     keep = ctx.keep_rows
-    if keep is not None and ctx.sharded and _pads_contractions(ctx):
-        # KNOWN BUG (issue note, 2026-11-23): zeroing dropped rows in contractions that aligned_contractions
-        # then pads made 2 gloo ranks issue different collectives (a deadlock in
-        # test_padded_contractions_on_a_sharded_model). Until that is understood, a sharded graph that pads
-        # (CUDA bf16 by default) drops bad samples by their zero coefficient only: an inf/NaN activation of
-        # a dropped sample can still reach the gradient there, as before dropping existed.
-        keep = None
-        ctx.summary["nonfinite_samples"] = ("coefficient 0 only (sharded and padded contractions: rows are not "
-                                            "zeroed yet); DPBackend.dropped_samples() counts them")
 
     if ctx.whole_gradient_mode:
         with graph.inserting_before(out):

@@ -1,10 +1,22 @@
-"""reshard_after_forward: gather sharded parameters again in the backward.
+"""reshard_after_forward: gather sharded parameters again in the backward, the same ones on every rank.
 
 fully_shard(..., reshard_after_forward=True) asks for ZeRO-3 memory: the
 all-gathered parameter must not be kept from the forward for the backward.
 The gather chain of each such parameter (all-gather, wait, the uneven-shard
-slice, views and the mixed-precision cast) is marked MUST_RECOMPUTE, so the
-min-cut partitioner saves the shard and re-gathers in the backward.
+slice and pad, views and the mixed-precision cast) is marked MUST_RECOMPUTE,
+so the min-cut partitioner saves the shard and re-gathers in the backward.
+
+Every rank must re-gather the same parameters in the same order, yet every
+rank partitions its own graph, and the graphs differ (uneven shards are
+sliced and padded on some ranks only). Left to itself, the min-cut may
+recompute a cheap forward op that reads a gathered parameter (a LayerNorm
+output, an embedding lookup) on one rank and save it on another: the first
+rank issues an extra all-gather and both ranks hang. So the first forward op
+past each gather chain is never recomputed (MUST_SAVE; it is stored only if
+the backward reads it): a parameter is then gathered in the backward exactly
+when a backward op reads it, which the graph's structure fixes, not the
+partitioner's costs. Ops the user tagged for recompute (activation
+checkpointing) keep their tag: they recompute on every rank alike.
 """
 from __future__ import annotations
 
@@ -23,21 +35,46 @@ _GATHER_CHAIN = {
 }
 
 
+def _in_chain(n: fx.Node) -> bool:
+    """Ops of a gather chain: free to recompute, and they do not keep the gathered parameter alive."""
+    if n.op != "call_function":
+        return False
+    return n.target in _GATHER_CHAIN or bool(getattr(n.target, "is_view", False))
+
+
+def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
+    dep: set[fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
 def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
-    """Marks the parameter gather chains of reshard_after_forward parameters for recompute."""
+    """Marks the parameter gather chains of reshard_after_forward parameters for recompute, and the forward
+    ops that read them as saved."""
+    backward = _tangent_dependent(gm.graph) if ctx.reshard_primals else set()
     for primal in ctx.reshard_primals:
         frontier = list(primal.users)
-        seen: set[fx.Node] = set()
+        chain: set[fx.Node] = set()
         while frontier:
             n = frontier.pop()
-            if n in seen or n.op != "call_function" or n.target not in _GATHER_CHAIN:
+            if n in chain or not _in_chain(n):
                 continue
-            seen.add(n)
+            chain.add(n)
             if n.target in (_C10D.all_gather_into_tensor.default, aten.constant_pad_nd.default) or any(
                 a.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE or a is primal for a in n.all_input_nodes
             ):
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 n.meta["ac_graph_id"] = 0
                 frontier.extend(n.users)
-        ctx.counters["reshard_after_forward_nodes"] += len(seen)
+        recomputed = {n for n in chain if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
+        ctx.counters["reshard_after_forward_nodes"] += len(recomputed)
+        for n in recomputed:
+            for user in n.users:
+                if (user in recomputed or user in backward or user.op != "call_function"
+                        or "recompute" in user.meta):
+                    continue
+                user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                ctx.counters["reshard_readers_saved"] += 1
     return gm

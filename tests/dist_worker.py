@@ -170,7 +170,6 @@ def every_case(rank, world, init_file, out_dir, runs):
 
 
 def _sharded_case(case, mesh, rank, schedule, form, seed):
-    start = time.time()
     torch.manual_seed(seed)
     batches = [case.data(sum(sizes)) for sizes in SHARDED_STEPS]
     every = [torch.cat(ts) for ts in zip(*[inputs + targets for inputs, targets in batches])]
@@ -182,6 +181,22 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     C = cases.finite_median(norms)  # over the samples of all steps: some clipped, some not
     shard_like_a_user(model, mesh)
     options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule, seed=seed)
+
+    form, _, pad = form.partition("+")
+    if pad:  # the CUDA padding rule, forced on for CPU float32
+        from dpcompile.passes import aligned_contractions
+
+        saved = aligned_contractions.PAD_DEVICES, aligned_contractions.ALIGNMENT
+        aligned_contractions.PAD_DEVICES, aligned_contractions.ALIGNMENT = ("cpu",), {torch.float32: 8}
+    try:
+        return _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches)
+    finally:
+        if pad:
+            aligned_contractions.PAD_DEVICES, aligned_contractions.ALIGNMENT = saved
+
+
+def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
+    start = time.time()
 
     def step(inputs, targets):
         per_sample = case.loss(model(*inputs), *targets)
@@ -205,12 +220,12 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
         # the (5, 3) step as a logical batch of 2 micro-batches per rank (dpcompile.accumulate)
         n_micro = 2 if sizes == (5, 3) else 1
         cuts = [hi - lo] if n_micro == 1 else [(hi - lo + 1) // 2, (hi - lo) // 2]
-        start = 0
+        at = 0
         for j, cut in enumerate(cuts):
-            part = tuple(tuple(t[start: start + cut] for t in ts) for ts in local)
+            part = tuple(tuple(t[at: at + cut] for t in ts) for ts in local)
             with dpcompile.accumulate(enabled=j < n_micro - 1):
                 compiled(*part)
-            start += cut
+            at += cut
         # cases.with_bad_samples: a sample with a non-finite float input or weight is dropped, counted where
         # it lives
         bad = torch.zeros(sum(sizes), dtype=torch.bool)
@@ -236,6 +251,7 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
             worst = max(worst, float((full - want).abs().max()))
     graphs = [r for r in backend.compiled[known:] if r.dp]
     return {"error": None, "dp_graphs": len(graphs), "batch_size": graphs[0].summary["batch_size"],
+            "padded": graphs[0].counters.get("contractions_padded", 0),
             "counters": graphs[0].counters, "frozen": graphs[0].summary["frozen"], "clipped": clipped,
             "unclipped": unclipped, "worst": worst, "seconds": time.time() - start}
 

@@ -38,6 +38,7 @@ _locate_passes()
 from dpcompile.accounting import PrivacyAccountant, noise_multiplier_for  # noqa: E402
 from dpcompile.accumulation import accumulate  # noqa: E402
 from dpcompile.batching import mark_batch  # noqa: E402
+from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
 from dpcompile.compat import size_oblivious_nll_loss_nd, size_oblivious_sdpa  # noqa: E402
@@ -50,7 +51,7 @@ from dpcompile.sampling import PoissonBatchSampler  # noqa: E402
 __all__ = [
     "DPBackend", "DPCompileError", "MixedPrecisionPolicy", "fully_shard", "DPConfig", "CompiledStep", "dump_graphs",
     "get_backend", "mark_batch", "private_step", "dp_fsdp", "bucket_collectives", "PrivacyAccountant",
-    "noise_multiplier_for", "accumulate",
+    "noise_multiplier_for", "accumulate", "Checkpointer",
     "PoissonBatchSampler",
 ]
 

@@ -59,11 +59,12 @@ class DPConfig:
         if not _is_real(self.noise_multiplier) or not (0 <= self.noise_multiplier < math.inf):
             bad(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}")
         if self.expected_batch_size is not None and (
-            isinstance(self.expected_batch_size, bool)
-            or not isinstance(self.expected_batch_size, int)
+            not _is_real(self.expected_batch_size)
+            or not math.isfinite(self.expected_batch_size)
             or self.expected_batch_size <= 0
         ):
-            bad(f"expected_batch_size must be a positive int, got {self.expected_batch_size!r}")
+            # a real number: sample_rate * dataset size (PoissonBatchSampler.expected_batch_size) need not be whole
+            bad(f"expected_batch_size must be a positive number, got {self.expected_batch_size!r}")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.linear_norm not in LINEAR_NORM_ALGORITHMS:

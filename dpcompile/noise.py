@@ -35,6 +35,18 @@ class NoiseSeeds:
         self.rank = rank
         self.step = 0
         self._lock = threading.Lock()
+        # a seed from the OS differs per process: ranks take rank 0's before their first draw, so replicas
+        # of a shard (hybrid sharding) draw the same noise; shards still differ through the stream's rank
+        self._agreed = seed is not None
+
+    def _agree(self) -> None:
+        import torch.distributed as dist
+
+        self._agreed = True
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            box = [self.seed]
+            dist.broadcast_object_list(box, src=0)
+            self.seed = int(box[0])
 
     def seeds_for(self, step: int, n: int) -> list[int]:
         base = splitmix64(self.seed ^ splitmix64(step) ^ splitmix64((self.rank + 1) << 40))
@@ -44,6 +56,8 @@ class NoiseSeeds:
         return torch.zeros(max(n, 1), dtype=torch.int64, device=device)
 
     def next(self, n: int, device: torch.device) -> torch.Tensor:
+        if not self._agreed:
+            self._agree()
         with self._lock:
             step = self.step
             self.step += 1
@@ -58,3 +72,4 @@ class NoiseSeeds:
             if k not in state:
                 raise ValueError(f"dpcompile noise state is missing {k!r}; pass what DPBackend.state_dict() returned")
         self.seed, self.step = int(state["seed"]), int(state["step"])
+        self._agreed = True  # a checkpoint's seed: every rank restores the seed the ranks agreed on

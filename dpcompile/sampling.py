@@ -94,5 +94,30 @@ class PoissonBatchSampler:
                 yield mine[start:end], j == n - 1
                 start = end
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume the same sampling (the seed is as secret as the data)."""
+        return {"seed": self.seed, "num_samples": self.num_samples, "sample_rate": self.sample_rate,
+                "steps": self.steps}
+
+    def load_state_dict(self, state: dict, *, start_step: int) -> None:
+        """Continues the sampling of a checkpointed run at ``start_step`` (its completed steps).
+
+        The seed comes from the checkpoint; the dataset size and sample rate must be those of the run
+        (the privacy accounting assumes them); ``steps`` may grow; rank and world size may change (the
+        global batch of a step depends only on the seed and the step)."""
+        try:
+            seed, n, rate, steps = int(state["seed"]), int(state["num_samples"]), float(state["sample_rate"]), \
+                int(state["steps"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a PoissonBatchSampler state ({type(e).__name__}: {e})") from e
+        if n != self.num_samples or rate != self.sample_rate:
+            raise ValueError(
+                f"PoissonBatchSampler: the checkpointed run sampled {n} examples at rate {rate}, this sampler "
+                f"{self.num_samples} at {self.sample_rate}; resume with the same dataset and sample rate (a new "
+                f"rate is a new phase: start a new run, or account it with PrivacyAccountant.step(sample_rate=...))")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"PoissonBatchSampler: start_step must be an int >= 0, got {start_step!r}")
+        self.seed, self.start_step = seed, start_step
+
     def __len__(self) -> int:
         return max(self.steps - self.start_step, 0)

@@ -114,8 +114,9 @@ def hybrid(rank, world, init_file, out_dir):
     model = reports["ghost"]["model"]
     step, local, C, ebs = reports["ghost"]["step"]
     clean = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    # no seed: each process draws one from the OS, and the ranks take rank 0's (replicas must agree)
     noisy_step = torch.compile(step, backend=dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=3.0,
-                                                                 expected_batch_size=ebs, seed=5, schedule="ghost"))
+                                                                 expected_batch_size=ebs, schedule="ghost"))
     model.zero_grad(set_to_none=True)
     noisy_step(local, local)
     torch.save({"noise": {n: p.grad.to_local() - clean[n] for n, p in model.named_parameters()}, "std": 3.0 * C / ebs},
@@ -511,4 +512,33 @@ def checkpoint(rank, world, init_file, out_dir):
     if rank == 0:
         with open(os.path.join(out_dir, "ckpt.json"), "w") as f:
             json.dump({"straight": straight, "resumed": resumed, "worst_param_diff": worst}, f)
+    dist.destroy_process_group()
+
+
+def checkpoint_resume(rank, world, init_file, out_dir):
+    """tests/test_checkpoint.py: a sharded run resumed from a checkpoint equals the uninterrupted run."""
+    import json
+    import traceback
+
+    import ckpt_run
+
+    mesh = _init(rank, world, init_file)
+    error = None
+    try:
+        whole = ckpt_run.train(os.path.join(out_dir, "whole"), 4, mesh=mesh, log=lambda s: None)
+        torch._dynamo.reset()
+        first = ckpt_run.train(os.path.join(out_dir, "resumed"), 2, mesh=mesh, log=lambda s: None)
+        assert first["t"] == 2
+        torch._dynamo.reset()
+        logs = []
+        second = ckpt_run.train(os.path.join(out_dir, "resumed"), 4, mesh=mesh, log=logs.append)
+        assert logs[0] == "resumed at 2", logs
+        assert second["noise_step"] == whole["noise_step"] == 4
+        assert second["accountant_steps"] == 4 and second["epsilon"] == whole["epsilon"]
+        for name, p in whole["params"].items():
+            torch.testing.assert_close(second["params"][name], p, msg=lambda m: f"{name}: {m}")
+    except Exception:  # noqa: BLE001 - reported to the test
+        error = traceback.format_exc()[-4000:]
+    with open(os.path.join(out_dir, f"ckpt{rank}.json"), "w") as f:
+        json.dump({"error": error}, f)
     dist.destroy_process_group()

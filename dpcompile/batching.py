@@ -161,7 +161,13 @@ def traced_frame():
         from torch._dynamo.symbolic_convert import InstructionTranslator
     except ImportError:  # pragma: no cover
         return None
-    tx = InstructionTranslator.current_tx()
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:
+        # no dynamo trace has run in this thread yet (its thread-local is unset): not tracing. Raising
+        # here would be fatal in disguise: the caller is a parameter property, and an AttributeError
+        # there makes Python fall back to nn.Module.__getattr__ (the raw shard, eagerly)
+        return None
     while tx is not None and getattr(tx, "parent", None) is not None:
         tx = tx.parent  # from the inlined module code out to the compiled frame
     return tx

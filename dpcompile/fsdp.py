@@ -45,10 +45,15 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
         def get(self):
             p = self._parameters[name]
             if isinstance(p, DTensor):
-                # dynamo runs this for real while tracing: it makes the step's
-                # batch dim unbacked before any op of the model (dpcompile.batching)
-                mark_traced_batch()
-                return _gather(p, self._dpcompile_mp)
+                try:
+                    # dynamo runs this for real while tracing: it makes the step's
+                    # batch dim unbacked before any op of the model (dpcompile.batching)
+                    mark_traced_batch()
+                    return _gather(p, self._dpcompile_mp)
+                except AttributeError as e:
+                    # an AttributeError out of a property makes Python call nn.Module.__getattr__,
+                    # which would hand the model the raw shard: fail loudly instead
+                    raise RuntimeError(f"dpcompile.fully_shard: gathering {name!r} failed: {e}") from e
             return p
 
         return property(get)

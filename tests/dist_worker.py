@@ -525,6 +525,14 @@ def checkpoint_resume(rank, world, init_file, out_dir):
     mesh = _init(rank, world, init_file)
     error = None
     try:
+        # before anything is compiled in this process: an eager forward of a sharded model (evaluation)
+        torch.manual_seed(0)
+        model = M.GPT(d=8, n_head=2, n_layer=1)
+        plain = copy.deepcopy(model)
+        shard(model, mesh)
+        x = torch.randint(0, 13, (3, 6))
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), plain(x))
         whole = ckpt_run.train(os.path.join(out_dir, "whole"), 4, mesh=mesh, log=lambda s: None)
         torch._dynamo.reset()
         first = ckpt_run.train(os.path.join(out_dir, "resumed"), 2, mesh=mesh, log=lambda s: None)

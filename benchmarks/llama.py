@@ -10,15 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def rotary(x: torch.Tensor, base: float = 500000.0) -> torch.Tensor:
-    """Rotary position embedding on [B, T, H, hd] (pairs of halves)."""
-    T, hd = x.shape[1], x.shape[-1]
-    inv = 1.0 / base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = ang.cos()[:, None, :].to(x.dtype), ang.sin()[:, None, :].to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+from dpcompile.train import rotary  # the main job's Llama preset uses the same one
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -133,7 +133,9 @@ class Checkpointer:
         tmp = os.path.join(self.directory, f".partial_step_{step:09d}")
         if rank == 0:
             os.makedirs(self.directory, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a save that was killed
+            for name in os.listdir(self.directory):  # saves that were killed: never committed, never read
+                if name.startswith(".partial_step_"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
             os.makedirs(tmp)
         if dist:
             dist.barrier()

@@ -106,8 +106,7 @@ class PoissonBatchSampler:
         (the privacy accounting assumes them); ``steps`` may grow; rank and world size may change (the
         global batch of a step depends only on the seed and the step)."""
         try:
-            seed, n, rate, steps = int(state["seed"]), int(state["num_samples"]), float(state["sample_rate"]), \
-                int(state["steps"])
+            seed, n, rate = int(state["seed"]), int(state["num_samples"]), float(state["sample_rate"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a PoissonBatchSampler state ({type(e).__name__}: {e})") from e
         if n != self.num_samples or rate != self.sample_rate:

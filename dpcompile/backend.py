@@ -8,6 +8,7 @@ gradients; the min-cut partitioner and Inductor take it from there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from typing import Any, Callable
@@ -19,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcompile.accumulation import accumulating
 from dpcompile.batching import require_unbacked_batch
-from dpcompile.compat import guard_empty_y_grid, hint_mix_order_split
+from dpcompile.compat import guard_empty_y_grid, hf_expand_position_ids, hint_mix_order_split
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
@@ -56,6 +57,7 @@ class CompiledStep:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     dump_files: list[str] = dataclasses.field(default_factory=list)
     dp: bool = True  # False: the graph had no trainable parameter and was compiled as is
+    compile_reason: str = ""  # why dynamo ended this graph where it did (its first line)
 
 
 def _source_name(grapharg) -> str:
@@ -137,6 +139,21 @@ def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split
                 f"compute everything that needs gradients inside the compiled step.")))
 
 
+@functools.cache
+def _source_hash() -> str:
+    """A digest of dpcompile's and its passes' source: compiled code is never reused across versions."""
+    import hashlib
+    import pathlib
+
+    from dpcompile import passes as dp_passes
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for package in (pathlib.Path(__file__).parent, pathlib.Path(dp_passes.__file__).parent):
+        for f in sorted(package.glob("*.py")):
+            digest.update(f.name.encode() + f.read_bytes())
+    return digest.hexdigest()[:20]
+
+
 class DPPartitioner(CustomPartitionerFn):
     """Runs the dp passes on the joint graph, then Inductor's min-cut partitioner."""
 
@@ -147,15 +164,17 @@ class DPPartitioner(CustomPartitionerFn):
         self.split = split  # describe_split of the dynamo graph: why it may be only part of the step
 
     def uuid(self):
-        return None  # never serve a cached artifact compiled under other DP options
+        # Inductor's FX graph cache keys the graphs it compiles (the forward and backward this partitioner
+        # returns, DP rewrite included) by their content plus this: a warm restart reuses the generated
+        # code. The AOTAutograd cache, which would skip this partitioner, is off for DP graphs (__call__).
+        return f"dpcompile.DPPartitioner-{_source_hash()}"
 
     def __deepcopy__(self, memo):
         return self  # Inductor copies its config; this object holds live compile state
 
     def __reduce__(self):
-        # Inductor pickles its config to hash it; a token unique to this
-        # object keeps keys distinct without pickling live compile state.
-        return (str, (f"dpcompile.DPPartitioner@{id(self):x}",))
+        # Inductor pickles its config to hash it: the uuid, not the live compile state
+        return (str, (self.uuid(),))
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -252,6 +271,7 @@ class DPPartitioner(CustomPartitionerFn):
             noise_gate_input_index=placeholders.index(gate_node) if gate_node is not None else None,
             num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id, reshard_primals=reshard,
             sharded=any(gi.sharded for gi in inputs), split_step=self.split,
+            compile_reason=self.record.compile_reason,
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx
@@ -343,6 +363,7 @@ class DPBackend:
         elif options:
             raise ValueError("pass either a DPConfig or keyword options, not both")
         self.config = config
+        hf_expand_position_ids()  # before dynamo traces the step (compat)
         self.compiled: list[CompiledStep] = []
         self.noise = NoiseSeeds(config.seed)
         self.calls = 0  # DP graph executions, checked by private_step
@@ -413,6 +434,8 @@ class DPBackend:
             return compile_fx(gm, example_inputs)
 
         split = describe_split(gm)
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        record.compile_reason = ((getattr(reason, "reason", None) or "").strip().splitlines() or [""])[0]
         refuse_inputs_with_gradients(inputs, example_inputs, split)
         device = next(ex.device for ex, gi in zip(example_inputs, inputs) if gi.kind == "param")
         seeds_example = self.noise.example(len(inputs), device)
@@ -421,12 +444,15 @@ class DPBackend:
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         part = DPPartitioner(self, record, dumper, split)
-        compiled = compile_fx(gm, [*example_inputs, seeds_example, counter, gate_on], config_patches={
-            "custom_partitioner_fn": part,
-            # pad_mm pads and re-slices contractions in the joint graph; the
-            # per-sample norms are cheaper on the unpadded ones
-            "shape_padding": False,
-        })
+        # no AOTAutograd cache: a hit would skip the partitioner (the dp passes, the record of what they
+        # did); Inductor's FX graph cache below it still serves the generated code (DPPartitioner.uuid)
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = compile_fx(gm, [*example_inputs, seeds_example, counter, gate_on], config_patches={
+                "custom_partitioner_fn": part,
+                # pad_mm pads and re-slices contractions in the joint graph; the
+                # per-sample norms are cheaper on the unpadded ones
+                "shape_padding": False,
+            })
         n_seeds = len(inputs)
 
         def dp_step(*args):

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from dpcompile.compat import hf_expand_position_ids
 from dpcompile.errors import DPValueError
 
 _SHAPE_ID = "dpcompile_batch"
@@ -84,6 +85,7 @@ def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> N
         kwargs["hint_override"] = hint
     torch._dynamo.decorators.mark_unbacked(t, dim, **kwargs)
     setattr(t, _MARK, dim)
+    hf_expand_position_ids()  # third-party code that asks "is the batch 1?" where every answer is the same
 
 
 @functools.cache

@@ -33,11 +33,21 @@ used only while tracing: torch's own composite wherever it traces (a dry run
 on the fake inputs, outside the graph, tells), else the math attention on the
 additive form of the mask, which is what torch's composite computes when it
 picks the math backend.
+
+Hugging Face ``transformers`` 5.x builds its causal mask with
+``masking_utils._preprocess_mask_arguments``, which (no attention mask, no
+cache: ``use_cache=False`` training) asks ``batch_size !=
+position_ids.shape[0]`` to expand position ids of batch 1 to the batch. On an
+unbacked batch size dynamo cannot decide that (is the batch 1?) and breaks the
+step. ``hf_expand_position_ids`` expands such position ids before the call:
+for a batch of 1 ``expand(1, ...)`` is the tensor itself, for any other size
+it is what the function does, so the mask is the same for every batch size.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 
 _done = False
 _mix_order_done = False
@@ -185,3 +195,38 @@ def size_oblivious_sdpa() -> None:
 
 # "always": tests set it to check the math path on a torch that does not need it; "traced": how often it ran
 _SDPA_FALLBACK = {"always": False, "traced": 0}
+
+
+def hf_expand_position_ids() -> None:
+    """Installs the position-id expansion in front of transformers' mask pre-processing (module doc);
+    nothing when transformers is not imported or its function does not ask that question."""
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "_preprocess_mask_arguments", None)
+    if original is None or getattr(original, "_dpcompile_guarded", False):
+        return
+    try:
+        source = inspect.getsource(original)
+        names = list(inspect.signature(original).parameters)
+    except (OSError, TypeError, ValueError):
+        return
+    if "batch_size != position_ids.shape[0]" not in source or "inputs_embeds" not in names \
+            or "position_ids" not in names:
+        return
+    i_embeds, i_pos = names.index("inputs_embeds"), names.index("position_ids")
+
+    def preprocess_mask_arguments(*args, **kwargs):
+        args = list(args)
+        embeds = args[i_embeds] if len(args) > i_embeds else kwargs.get("inputs_embeds")
+        pos = args[i_pos] if len(args) > i_pos else kwargs.get("position_ids")
+        if pos is not None and embeds is not None and pos.dim() == 2 and isinstance(pos.shape[0], int) \
+                and pos.shape[0] == 1:
+            pos = pos.expand(embeds.shape[0], -1)
+            if len(args) > i_pos:
+                args[i_pos] = pos
+            else:
+                kwargs["position_ids"] = pos
+        return original(*args, **kwargs)
+
+    preprocess_mask_arguments._dpcompile_guarded = True  # type: ignore[attr-defined]
+    preprocess_mask_arguments.__wrapped__ = original  # type: ignore[attr-defined]
+    module._preprocess_mask_arguments = preprocess_mask_arguments

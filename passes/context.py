@@ -32,6 +32,7 @@ class DPPassContext:
     reshard_primals: set = dataclasses.field(default_factory=set)  # params gathered again in the backward
     rank: int = 0
     split_step: Any = None  # dpcompile.step_split.Split: where dynamo split the step before its loss
+    compile_reason: str = ""  # dynamo's reason for ending the graph there (for error messages)
     dropped_grad_index: int | None = None  # joint output slot: the dropped-sample count (its input's gradient)
     noise_gate_input_index: int | None = None  # placeholder index of the 0/1 noise factor (dpcompile.accumulate)
     # filled by the passes -------------------------------------------------

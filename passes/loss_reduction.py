@@ -61,6 +61,33 @@ class LossInfo:
     k: float
 
 
+def _shape_of(node: Any) -> tuple | None:
+    # sizes as text: comparing an unbacked size with a number would ask dynamo's shape env a question
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(str(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _output_seeded_by(tangent: fx.Node, fwd_outs: list, graph: fx.Graph) -> fx.Node:
+    """The forward output whose incoming gradient ``tangent`` is: the one AOTAutograd's descriptor names
+    (``TangentAOTInput(output=PlainAOTOutput(idx))``), checked by shape, a tangent has its output's shape.
+    Without a descriptor (or one that does not fit), by what it is: the only output of the tangent's shape,
+    else the k-th output of that shape for the k-th tangent of that shape (tangents follow the outputs
+    that need gradients, in order)."""
+    want = _shape_of(tangent)
+    idx = getattr(getattr(tangent.meta.get("desc"), "output", None), "idx", None)
+    if isinstance(idx, int) and 0 <= idx < len(fwd_outs) and _shape_of(fwd_outs[idx]) == want:
+        return fwd_outs[idx]
+    same = [o for o in fwd_outs if isinstance(o, fx.Node) and _shape_of(o) == want]
+    if len(same) == 1:
+        return same[0]
+    tangents = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents")
+                and _shape_of(n) == want]
+    k = tangents.index(tangent)
+    grads = [o for o in same if o.meta["val"].requires_grad] or same
+    assert k < len(grads), f"no forward output of shape {want} for {tangent.name}"  # AOTAutograd's layout
+    return grads[k]
+
+
 def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Identifies the loss output and whether it is a mean or a sum over samples."""
     graph = gm.graph
@@ -78,12 +105,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             f"with .detach() (e.g. `return loss.detach()`), so only the loss carries gradients."
         ))
     tangent = used_tangents[0]
-    desc = tangent.meta.get("desc")
-    idx = getattr(getattr(desc, "output", None), "idx", None)
-    if idx is None:
-        # fall back on position: tangents follow the order of the outputs that need them
-        idx = [i for i, o in enumerate(fwd_outs) if isinstance(o, fx.Node) and o.meta["val"].requires_grad][0]
-    loss = fwd_outs[idx]
+    loss = _output_seeded_by(tangent, fwd_outs, graph)
     if ctx.empty_batch:
         _empty_batch_loss(ctx, loss, tangent)
         return gm
@@ -96,7 +118,9 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     if loss.meta["val"].numel() != 1:
         raise DPCompileError(split_error_text(
             ctx.split_step,
-            f"the loss must be a scalar, got shape {tuple(loss.meta['val'].shape)}. " + PER_SAMPLE_LOSS_HELP,
+            f"the loss must be a scalar, got shape {tuple(loss.meta['val'].shape)}. " + PER_SAMPLE_LOSS_HELP
+            + (f"\n  (dynamo ended this graph: {ctx.compile_reason})" if ctx.split_step is None
+               and ctx.compile_reason else ""),
         ))
     kinds = set()
     if isinstance(st, Batched):  # B == 1 without an explicit reduction (e.g. per_sample.squeeze())

@@ -66,8 +66,10 @@ def _hf_llama():
 
     cfg = LlamaConfig(vocab_size=29, hidden_size=12, intermediate_size=20, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return LlamaForCausalLM(cfg)  # grouped-query attention, rotary, RMSNorm, SwiGLU, untied head
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+    # grouped-query attention, rotary, RMSNorm, SwiGLU, untied head; use_cache=False as in training scripts
+    # (GPT-2 keeps the default): transformers' mask code then takes another path (compat.hf_expand_position_ids)
+    return LlamaForCausalLM(cfg)
 
 
 # every layer kind, each in a small model of its own

@@ -15,3 +15,8 @@ def fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+def pytest_configure(config):
+    # known to pytest-xdist (--dist loadgroup); registered so a run without xdist does not warn
+    config.addinivalue_line("markers", "xdist_group(name): tests run on one xdist worker")

@@ -86,3 +86,27 @@ def test_masked_attention_falls_back_to_math_attention_exactly(schedule, monkeyp
         backend = check_against_reference(M.PaddedAttention(), M.mse, (x,), (y,), schedule=schedule)
         assert len([r for r in backend.compiled if r.dp]) == 1
     assert compat._SDPA_FALLBACK["traced"] > before
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hugging_face_models_without_cache_trace_whole_under_an_unbacked_batch(family):
+    """transformers' mask code asks whether the batch is 1 to expand position ids (use_cache=False, no
+    attention mask): under an unbacked batch that was a graph break. One graph now, the same logits."""
+    import torch
+
+    import cases
+
+    torch.manual_seed(0)
+    model = cases.CASES[f"hf_{family}"].model()
+
+    def forward(x):
+        return model(x, use_cache=False).logits
+
+    compiled = torch.compile(forward, backend="eager", fullgraph=True)  # fullgraph: a break raises
+    for B in (3, 1, 2):
+        x = torch.randint(0, 29, (B, 6))
+        dpcompile.mark_batch(x)
+        torch.testing.assert_close(compiled(x), forward(x))
+    from transformers import masking_utils
+
+    assert masking_utils._preprocess_mask_arguments._dpcompile_guarded

@@ -249,3 +249,22 @@ def test_graph_resumed_after_a_break_is_refused_as_a_split_step():
     expect_refusal(lambda: run(model, lambda m, ids: M.seq_ce(m(ids), ids).mean(), (ids,)),
                    "only part of the training step", "the rest of forward", "resumed after a graph break",
                    "What to do")
+
+
+def test_loss_is_the_output_its_tangent_seeds_not_the_first_output():
+    """With AOTAutograd's tangent descriptors missing (or not fitting), the loss is still found by what it
+    is: the output of the tangent's shape, and among several of that shape the one in the tangent's place."""
+    import torch.fx as fx
+
+    from passes.loss_reduction import _output_seeded_by
+
+    g = fx.Graph()
+    t1, t2 = g.placeholder("tangents_1"), g.placeholder("tangents_2")
+    logits, loss, aux = g.placeholder("logits"), g.placeholder("loss"), g.placeholder("aux")
+    for n, val in ((t1, torch.zeros(())), (t2, torch.zeros(())), (logits, torch.zeros(4, 6, 13)),
+                   (loss, torch.zeros((), requires_grad=True)), (aux, torch.zeros((), requires_grad=True))):
+        n.meta["val"] = val
+    assert _output_seeded_by(t1, [logits, loss], g) is loss  # the first output is the logits
+    assert _output_seeded_by(t2, [logits, loss, aux], g) is aux  # the second scalar tangent: the second scalar
+    t1.meta["desc"] = type("D", (), {"output": type("O", (), {"idx": 0})()})()  # names the logits: not its shape
+    assert _output_seeded_by(t1, [logits, loss], g) is loss

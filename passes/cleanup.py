@@ -6,7 +6,7 @@ import heapq
 
 import torch
 
-from .batch_dims import COLLECTIVE_REDUCTIONS
+from .batch_state import COLLECTIVE_REDUCTIONS
 from .context import DPPassContext
 
 

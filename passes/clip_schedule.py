@@ -23,7 +23,7 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import GraphBuilder, known, module_of, op_name
 
-from .batch_dims import FREE, Batched, Contribution
+from .batch_state import FREE, Batched, Contribution
 from .context import DPPassContext
 
 aten = torch.ops.aten

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .batch_dims import COLLECTIVE_REDUCTIONS as _REDUCTIONS
+from .batch_state import COLLECTIVE_REDUCTIONS as _REDUCTIONS
 from .cleanup import stable_topological_sort
 from .context import DPPassContext
 

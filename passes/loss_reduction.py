@@ -8,20 +8,12 @@ import torch
 import torch.fx as fx
 
 from dpcompile.errors import DPCompileError, DPValueError
-from dpcompile.fx_utils import module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
-from .batch_dims import FREE, Batched, Mixed, Reduced
+from .batch_state import FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, loss_not_per_sample
 from .context import DPPassContext
 
 aten = torch.ops.aten
-
-PER_SAMPLE_LOSS_HELP = (
-    "Compute one loss per sample (shape [B]) and return its .mean() or .sum(): e.g. "
-    "per_token = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction='none').view(B, T); "
-    "per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1); loss = per_sample.mean()."
-)
-
 
 def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> None:
     """B == 0: only the reduction kind matters (for the noise scale k); found by
@@ -40,16 +32,6 @@ def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> No
     k = 1.0 / ctx.config.expected_batch_size if kind == "mean" else 1.0
     ctx.loss = LossInfo(loss, tangent, kind, 0 if kind == "mean" else 1, k)
     ctx.summary["loss"] = {"reduction": kind, "k": k, "batch_size": "0 (no samples on this rank)"}
-
-
-def loss_not_per_sample(origin: fx.Node, why: str) -> DPCompileError:
-    return DPCompileError(
-        f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
-        f"{module_of(origin)} computes {why} (for example a token mean over the whole batch with "
-        f"ignore_index divides by a count taken across samples)."
-        + (f"\n  at: {source_line(origin)}" if source_line(origin) else "")
-        + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
-    )
 
 
 @dataclasses.dataclass

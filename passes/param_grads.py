@@ -18,7 +18,7 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import module_of, op_name
 
-from .batch_dims import COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, is_zero_constant, masked_operand
+from .batch_state import COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, is_zero_constant, masked_operand
 from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten

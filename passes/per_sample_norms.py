@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import GraphBuilder, known
 
-from .batch_dims import Batched, Contribution, masked_operand
+from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
 from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
 

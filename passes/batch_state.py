@@ -1,0 +1,170 @@
+"""The states of the batch-dim analysis (which dim of a value holds the samples) and the helpers its rules
+share. ``passes.batch_dims`` runs the analysis; ``passes.rules`` holds the per-op rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile.errors import DPCompileError
+from dpcompile.fx_utils import known, module_of, op_name, source_line
+
+if TYPE_CHECKING:
+    from .batch_dims import BatchDimAnalysis
+
+aten = torch.ops.aten
+
+
+class _Free:
+    def __repr__(self) -> str:
+        return "FREE"
+
+
+FREE = _Free()
+
+
+@dataclasses.dataclass(frozen=True)
+class Batched:
+    dim: int | None
+    outer: Any = 1
+    inner: Any = 1
+
+    def moved(self, dim: int | None) -> "Batched":
+        return Batched(dim, self.outer, self.inner)
+
+
+SINGLE = Batched(None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reduced:
+    origin: fx.Node
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mixed:
+    origin: fx.Node
+    why: str
+
+
+@dataclasses.dataclass(eq=False)
+class Contribution:
+    """A backward node that sums a per-sample quantity over the samples.
+
+    kind: "mm" (contraction over sample rows), "sum" (reduction over the
+    sample dim), "index_put" (embedding backward: scatter-add of sample rows).
+    operands: the argument positions (into node.args) of the per-sample inputs,
+    with the layout of the sample dim in each.
+    scaled_operand: the argument position that is linear in the loss tangent;
+    per-sample row scaling is applied to it.
+    """
+
+    node: fx.Node
+    kind: str
+    layouts: dict[int, Batched]
+    scaled_operand: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def is_zero_constant(a: Any) -> bool:
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return a == 0
+    if isinstance(a, fx.Node) and a.op == "call_function":
+        if a.target in (aten.full.default, aten.scalar_tensor.default):
+            fill = a.args[1] if a.target is aten.full.default else a.args[0]
+            return isinstance(fill, (int, float)) and fill == 0
+        if a.target in (aten.zeros.default, aten.zeros_like.default):
+            return True
+    return False
+
+
+def masked_operand(node: fx.Node) -> fx.Node | None:
+    """x of where(cond, x, 0) / where(cond, 0, x) when it keeps x's shape, else None."""
+    _, a, b = node.args[:3]
+    x = a if is_zero_constant(b) else b if is_zero_constant(a) else None
+    if isinstance(x, fx.Node) and tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape):
+        return x
+    return None
+
+
+def is_masking(an: "BatchDimAnalysis", node: fx.Node) -> bool:
+    """where with a sample-free cond and a zero branch: linear in the other branch."""
+    return an.st(node.args[0]) is FREE and masked_operand(node) is not None
+
+
+# shape helpers
+def ndim(x: fx.Node) -> int:
+    return x.meta["val"].dim()
+
+
+def shape_of(x: fx.Node):
+    return list(x.meta["val"].shape)
+
+
+def norm_dim(d: int, n: int) -> int:
+    return d % n if n > 0 else 0
+
+
+def prod(xs) -> Any:
+    p = 1
+    for x in xs:
+        p = p * x
+    return p
+
+
+def view_layout(in_shape, out_shape, lay: Batched, B) -> Batched | None:
+    """Where the sample index lands after a view (row-major reinterpretation).
+
+    Sample of flat index f is (f // G) % B with G = inner * prod(in[dim+1:]).
+    An output dim e with P = prod(out[e+1:]) carries it iff P | G and
+    (G/P) * B | out[e]; then it is Batched(e, out[e] / ((G/P) B), G/P).
+    """
+    if lay.dim is None:
+        return SINGLE
+    G = lay.inner * prod(in_shape[lay.dim + 1 :])
+    # outermost first: with B == 1 several dims qualify and the outermost is
+    # the natural sample dim; with B > 1 at most one does
+    for e in range(len(out_shape)):
+        P = prod(out_shape[e + 1 :])
+        if known(G % P == 0):
+            i2 = G // P
+            size = out_shape[e]
+            if known(size % (i2 * B) == 0) and not known(size == 0):
+                return Batched(e, size // (i2 * B), i2)
+    return None
+
+
+# rules: (analysis, node) -> state
+def fail_layout(an: "BatchDimAnalysis", node: fx.Node, why: str):
+    if known(an.B == 1):
+        return SINGLE
+    raise an.refuse(node, why)
+
+
+# cross-rank sums (FSDP gradient reduction): linear
+_C10D = torch.ops._c10d_functional
+
+
+COLLECTIVE_REDUCTIONS = {_C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default}
+
+
+# ---------------------------------------------------------------------------
+# the refusal of a loss that is not a sum or mean of per-sample losses (the analysis and the loss pass)
+PER_SAMPLE_LOSS_HELP = (
+    "Compute one loss per sample (shape [B]) and return its .mean() or .sum(): e.g. "
+    "per_token = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction='none').view(B, T); "
+    "per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1); loss = per_sample.mean()."
+)
+
+
+def loss_not_per_sample(origin: fx.Node, why: str) -> DPCompileError:
+    return DPCompileError(
+        f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
+        f"{module_of(origin)} computes {why} (for example a token mean over the whole batch with "
+        f"ignore_index divides by a count taken across samples)."
+        + (f"\n  at: {source_line(origin)}" if source_line(origin) else "")
+        + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
+    )

@@ -1,0 +1,20 @@
+"""The batch-dim rule table: one module per op family, registered here in one table.
+
+``RULES`` maps an aten op (overload packet or overload) to its rule; an op with
+per-sample inputs and no rule is refused by the analysis, except pointwise ops
+(``pointwise``). A new family is a module with a ``RULES`` dict, added below.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import attention, contractions, elementwise, embedding, reductions, views
+from .elementwise import pointwise
+
+RULES: dict[Any, Any] = {}
+for _family in (views, elementwise, reductions, contractions, attention, embedding):
+    _twice = RULES.keys() & _family.RULES.keys()
+    assert not _twice, f"ops with a rule in two families: {_twice}"
+    RULES.update(_family.RULES)
+
+__all__ = ["RULES", "pointwise"]

@@ -1,0 +1,77 @@
+"""Matrix products: a contraction over sample rows in the backward is a weight-gradient contribution.
+
+A rule is ``(analysis, node) -> state`` (``passes.batch_state``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpcompile.fx_utils import known
+
+from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim
+
+aten = torch.ops.aten
+
+
+def _mm(an, node):
+    """[n,k] @ [k,m]: samples on rows/cols pass through, on k it is a contraction."""
+    if node.target is aten.addmm.default:
+        bias, a, b = node.args[0], node.args[1], node.args[2]
+    else:
+        bias, a, b = None, node.args[0], node.args[1]
+    sa, sb = an.st(a), an.st(b)
+    if sa.__class__ is Batched and sa.dim is None or sb.__class__ is Batched and sb.dim is None:
+        return SINGLE
+    rows = sa if isinstance(sa, Batched) and sa.dim == 0 else None
+    cols = sb if isinstance(sb, Batched) and sb.dim == 1 else None
+    ka = sa if isinstance(sa, Batched) and sa.dim == 1 else None
+    kb = sb if isinstance(sb, Batched) and sb.dim == 0 else None
+    if rows and cols:
+        return Mixed(node, "a product of two per-sample matrices across samples")
+    if (ka or kb) and (rows or cols):
+        return Mixed(node, "a contraction over samples mixed with per-sample rows")
+    if ka or kb:
+        if ka and kb and not (known(ka.outer == kb.outer) and known(ka.inner == kb.inner)):
+            return Mixed(node, "a contraction over rows that belong to different samples")
+        lay = ka or kb
+        if bias is not None:
+            return Mixed(node, "a contraction over samples plus a bias")
+        layouts = {0: Batched(1, lay.outer, lay.inner), 1: Batched(0, lay.outer, lay.inner)}
+        tdep_ops = [i for i, x in ((0, a), (1, b)) if x in an.tdep]
+        if len(tdep_ops) == 1 and node in an.tdep:
+            an.contributions[node] = Contribution(node, "mm", layouts, tdep_ops[0])
+        return Reduced(node)
+    out = rows.moved(0) if rows else cols.moved(1)
+    if bias is not None:
+        sbias = an.st(bias)
+        if isinstance(sbias, Batched) and sbias.dim is not None:
+            d_out = sbias.dim + (2 - ndim(bias))
+            if sbias.moved(d_out) != out:
+                return fail_layout(an, node, "adds a per-sample bias with a different sample dim")
+    return out
+
+
+def _bmm(an, node):
+    a, b = node.args[0], node.args[1]
+    sa, sb = an.st(a), an.st(b)
+    found = None
+    for s, allowed in ((sa, {0: 0, 1: 1}), (sb, {0: 0, 2: 2})):
+        if isinstance(s, Batched):
+            if s.dim is None:
+                return SINGLE
+            if s.dim not in allowed:
+                return fail_layout(an, node, "batched matmul contracting over the sample dim")
+            cand = s.moved(allowed[s.dim])
+            if found is not None and (found.dim == 0) != (cand.dim == 0):
+                return fail_layout(an, node, "batched matmul with samples on both operands' free dims")
+            if found is not None and found.dim == 0 and found != cand:
+                return fail_layout(an, node, "batched matmul with different sample layouts")
+            found = cand
+    if found is not None and found.dim != 0 and isinstance(sa, Batched) and isinstance(sb, Batched):
+        return Mixed(node, "a product of per-sample rows and per-sample columns")
+    return found
+
+
+RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm}

@@ -1,0 +1,142 @@
+"""Embedding and indexing: gathers by sample-free or per-sample indices, and the scatter-add of the embedding backward.
+
+A rule is ``(analysis, node) -> state`` (``passes.batch_state``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpcompile.fx_utils import known
+
+from ..batch_state import FREE, SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim, norm_dim, shape_of
+
+aten = torch.ops.aten
+
+
+def _gather(an, node):
+    x, k, idx = node.args[0], node.args[1], node.args[2]
+    sx, si = an.st(x), an.st(idx)
+    n = ndim(x)
+    k = norm_dim(k, n)
+    if isinstance(sx, Batched) and sx.dim is not None and sx.dim == k:
+        return fail_layout(an, node, "gathers along the sample dim")
+    if isinstance(sx, Batched) and isinstance(si, Batched) and sx.dim is not None and si.dim is not None and sx != si:
+        return fail_layout(an, node, "gathers with an index whose sample dim differs from the source's")
+    if isinstance(sx, Batched) and sx.dim is not None and not known(shape_of(idx)[sx.dim] == shape_of(x)[sx.dim]):
+        return fail_layout(an, node, "gathers a different number of samples than the source has")
+    if isinstance(si, Batched):
+        return si
+    return sx
+
+
+def _embedding(an, node):
+    w, idx = node.args[0], node.args[1]
+    if an.st(w) is not FREE:
+        raise an.refuse(node, "looks up rows of a per-sample table")
+    return an.st(idx)
+
+
+def _index(an, node):
+    x, indices = node.args[0], node.args[1]
+    sx = an.st(x)
+    tens = [(p, i) for p, i in enumerate(indices) if i is not None]
+    if len(tens) != 1:
+        if all(an.st(i) is FREE for _, i in tens) and isinstance(sx, Batched):
+            # constant indices on non-sample dims keep the layout if dims before are plain
+            if sx.dim is None or all(p > sx.dim for p, _ in tens):
+                return sx
+        return fail_layout(an, node, "advanced indexing with several index tensors")
+    p, i = tens[0]
+    si = an.st(i)
+    if isinstance(sx, Batched) and sx.dim is not None:
+        if si is FREE and sx.dim < p:
+            return sx
+        if si is FREE and sx.dim > p:
+            return sx.moved(sx.dim - 1 + ndim(i))
+        return fail_layout(an, node, "indexes along the sample dim")
+    if isinstance(si, Batched):
+        return si if si.dim is None else si.moved(si.dim + p)
+    return SINGLE
+
+
+def _index_select(an, node):
+    x, k, idx = node.args
+    sx, si = an.st(x), an.st(idx)
+    k = norm_dim(k, ndim(x))
+    if isinstance(sx, Batched) and sx.dim is not None:
+        if sx.dim == k or si is not FREE:
+            return fail_layout(an, node, "selects along the sample dim")
+        return sx
+    if isinstance(si, Batched):
+        return si if si.dim is None else si.moved(k)
+    return SINGLE
+
+
+def _index_put(an, node):
+    """base.index_put(indices, values, accumulate): the embedding backward."""
+    t = node.target
+    if t is aten._unsafe_masked_index_put_accumulate.default:
+        base, mask, indices, values = node.args[:4]
+        accumulate = True
+    else:
+        base, indices, values = node.args[:3]
+        mask = None
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if an.st(base) is not FREE:
+        raise an.refuse(node, "scatters into a per-sample tensor")
+    tens = [i for i in indices if i is not None]
+    if len(indices) != 1 or len(tens) != 1:
+        raise an.refuse(node, "scatter with several index tensors")
+    idx = tens[0]
+    si, sv = an.st(idx), an.st(values)
+    lay = None
+    for s in (si, sv) + ((an.st(mask),) if mask is not None else ()):
+        if isinstance(s, Batched):
+            if s.dim is None:
+                return SINGLE
+            if lay is not None and s != lay:
+                raise an.refuse(node, "scatter whose index and values have different sample dims")
+            lay = s
+    if lay is None:
+        return FREE
+    if not accumulate:
+        return Mixed(node, "an overwriting scatter of several samples' rows")
+    if node in an.tdep and values in an.tdep:
+        layouts = {"indices": lay, "values": lay}
+        an.contributions[node] = Contribution(
+            node, "index_put", layouts, scaled_operand=-1,
+            extra={"indices": idx, "values": values, "mask": mask},
+        )
+    return Reduced(node)
+
+
+def _embedding_backward(an, node):
+    grad, idx, num_weights, padding_idx, scale_by_freq = node.args[:5]
+    if scale_by_freq:
+        raise an.refuse(
+            node, "embedding with scale_grad_by_freq=True scales by token counts taken across the batch",
+            "use scale_grad_by_freq=False",
+        )
+    si, sg = an.st(idx), an.st(grad)
+    lay = si if isinstance(si, Batched) else sg
+    if lay.dim is None:
+        return SINGLE
+    if node in an.tdep:
+        an.contributions[node] = Contribution(
+            node, "embedding_backward", {"indices": lay, "values": lay}, scaled_operand=0,
+            extra={"indices": idx, "values": grad, "padding_idx": padding_idx},
+        )
+    return Reduced(node)
+
+
+RULES: dict[Any, Any] = {}
+RULES[aten.gather] = _gather
+RULES[aten.embedding] = _embedding
+RULES[aten.index] = _index
+RULES[aten._unsafe_index] = _index
+RULES[aten.index_select] = _index_select
+for p in (aten.index_put, aten._unsafe_index_put, aten._unsafe_masked_index_put_accumulate):
+    RULES[p] = _index_put
+RULES[aten.embedding_dense_backward] = _embedding_backward

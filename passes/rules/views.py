@@ -1,0 +1,221 @@
+"""Views and layout ops: where the sample dim goes when a tensor is reshaped, permuted, sliced, joined.
+
+A rule is ``(analysis, node) -> state`` (``passes.batch_state``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpcompile.fx_utils import known
+
+from ..batch_state import SINGLE, Batched, fail_layout, ndim, norm_dim, shape_of, view_layout
+
+aten = torch.ops.aten
+
+
+def _identity(an, node):
+    return an.st(node.args[0])
+
+
+def _view(an, node):
+    x = node.args[0]
+    s = an.st(x)
+    lay = view_layout(shape_of(x), list(node.meta["val"].shape), s, an.B)
+    if lay is None:
+        return fail_layout(an, node, "reshapes the sample dim in a way dpcompile cannot track")
+    return lay
+
+
+def _permute(an, node):
+    x, dims = node.args[0], node.args[1]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    n = ndim(x)
+    dims = [norm_dim(d, n) for d in dims]
+    return s.moved(dims.index(s.dim))
+
+
+def _transpose(an, node):
+    x = node.args[0]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    n = ndim(x)
+    if node.target is aten.t.default:
+        d0, d1 = 0, min(1, n - 1)
+    else:
+        d0, d1 = norm_dim(node.args[1], n), norm_dim(node.args[2], n)
+    d = s.dim
+    return s.moved(d1 if d == d0 else d0 if d == d1 else d)
+
+
+def _unsqueeze(an, node):
+    x, k = node.args[0], node.args[1]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    k = norm_dim(k, ndim(x) + 1)
+    return s.moved(s.dim + (1 if k <= s.dim else 0))
+
+
+def _squeeze(an, node):
+    x = node.args[0]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    n = ndim(x)
+    shape = shape_of(x)
+    if len(node.args) > 1:
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = [norm_dim(d, n) for d in dims]
+    else:
+        dims = list(range(n))
+    dims = [d for d in dims if known(shape[d] == 1)]
+    if s.dim in dims:
+        return SINGLE  # only possible when B == 1
+    return s.moved(s.dim - sum(1 for d in dims if d < s.dim))
+
+
+def _expand(an, node):
+    x = node.args[0]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    out = node.meta["val"]
+    d = s.dim + (out.dim() - ndim(x))
+    if not known(out.shape[d] == shape_of(x)[s.dim]):
+        return fail_layout(an, node, "expands the sample dim")
+    return s.moved(d)
+
+
+def _slice(an, node):
+    x = node.args[0]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    n = ndim(x)
+    k = norm_dim(node.args[1] if len(node.args) > 1 else 0, n)
+    if k == s.dim:
+        if known(node.meta["val"].shape[k] == shape_of(x)[k]):
+            return s
+        return fail_layout(an, node, "slices along the sample dim")
+    return s
+
+
+def _select(an, node):
+    x, k = node.args[0], node.args[1]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    k = norm_dim(k, ndim(x))
+    if k == s.dim:
+        return fail_layout(an, node, "selects along the sample dim")
+    return s.moved(s.dim - (1 if k < s.dim else 0))
+
+
+def _split(an, node):
+    x = node.args[0]
+    s = an.st(x)
+    outs = node.meta["val"]
+    n = ndim(x)
+    if node.target in (aten.unbind.int,):
+        k = norm_dim(node.args[1] if len(node.args) > 1 else 0, n)
+        if s.dim is not None and k == s.dim:
+            return tuple(fail_layout(an, node, "unbinds the sample dim") for _ in outs)
+        return tuple(s if s.dim is None else s.moved(s.dim - (1 if k < s.dim else 0)) for _ in outs)
+    k = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    if s.dim is not None and k == s.dim and len(outs) > 1:
+        return tuple(fail_layout(an, node, "splits the sample dim") for _ in outs)
+    return tuple(s for _ in outs)
+
+
+def _cat(an, node):
+    tensors = node.args[0]
+    out = node.meta["val"]
+    k = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
+    found = None
+    for t in tensors:
+        s = an.st(t)
+        if isinstance(s, Batched) and s.dim is not None:
+            if s.dim == k:
+                return fail_layout(an, node, "concatenates along the sample dim")
+            if found is not None and found != s:
+                return fail_layout(an, node, "concatenates tensors with different sample dims")
+            found = s
+    return found or SINGLE
+
+
+def _stack(an, node):
+    tensors = node.args[0]
+    out = node.meta["val"]
+    k = norm_dim(node.args[1] if len(node.args) > 1 else 0, out.dim())
+    found = None
+    for t in tensors:
+        s = an.st(t)
+        if isinstance(s, Batched) and s.dim is not None:
+            cand = s.moved(s.dim + (1 if k <= s.dim else 0))
+            if found is not None and found != cand:
+                return fail_layout(an, node, "stacks tensors with different sample dims")
+            found = cand
+    return found or SINGLE
+
+
+def _pad(an, node):
+    x, pad = node.args[0], node.args[1]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    n = ndim(x)
+    for j in range(len(pad) // 2):
+        d = n - 1 - j
+        if d == s.dim and (pad[2 * j] != 0 or pad[2 * j + 1] != 0):
+            return fail_layout(an, node, "pads the sample dim")
+    return s
+
+
+def _slice_scatter(an, node):
+    """slice_scatter/select_scatter(base, src, dim, ...): the backward of slicing."""
+    base, src = node.args[0], node.args[1]
+    sb, ss = an.st(base), an.st(src)
+    n = ndim(base)
+    k = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    found = None
+    for s in (sb, ss):
+        if isinstance(s, Batched) and s.dim is not None:
+            d = s.dim
+            if node.target is aten.select_scatter.default and s is ss and d >= k:
+                d += 1  # src lacks the selected dim
+            cand = s.moved(d)
+            if found is not None and found != cand:
+                return fail_layout(an, node, "scatters between tensors with different sample dims")
+            found = cand
+    if found is None:
+        return SINGLE
+    if found.dim == k:
+        return fail_layout(an, node, "scatters along the sample dim")
+    return found
+
+
+RULES: dict[Any, Any] = {}
+for p in (aten.view, aten._unsafe_view, aten.reshape):
+    RULES[p] = _view
+for p in (aten.clone, aten.alias, aten._to_copy, aten.detach, aten.lift_fresh_copy, aten.contiguous):
+    RULES[p] = _identity
+RULES[aten.permute] = _permute
+RULES[aten.transpose] = _transpose
+RULES[aten.t] = _transpose
+RULES[aten.unsqueeze] = _unsqueeze
+RULES[aten.squeeze] = _squeeze
+RULES[aten.expand] = _expand
+RULES[aten.slice] = _slice
+RULES[aten.select] = _select
+for p in (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk):
+    RULES[p] = _split
+RULES[aten.cat] = _cat
+RULES[aten.stack] = _stack
+RULES[aten.constant_pad_nd] = _pad
+RULES[aten.slice_scatter] = _slice_scatter
+RULES[aten.select_scatter] = _slice_scatter

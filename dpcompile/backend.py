@@ -149,8 +149,8 @@ def _source_hash() -> str:
 
     digest = hashlib.sha256(torch.__version__.encode())
     for package in (pathlib.Path(__file__).parent, pathlib.Path(dp_passes.__file__).parent):
-        for f in sorted(package.glob("*.py")):
-            digest.update(f.name.encode() + f.read_bytes())
+        for f in sorted(package.rglob("*.py")):
+            digest.update(str(f.relative_to(package)).encode() + f.read_bytes())
     return digest.hexdigest()[:20]
 
 

@@ -40,7 +40,7 @@ class GraphDumper:
     def __init__(self, directory: str | None, compile_id: str, rank: int):
         self.directory = directory
         self.prefix = f"dpcompile_{compile_id}_rank{rank}"
-        self.folder = os.path.join(directory, _safe(compile_id), f"rank{rank}") if directory else None
+        self.folder = _unused_folder(directory, _safe(compile_id), rank) if directory else None
         self.count = 0
         self.files: list[str] = []
 
@@ -64,6 +64,16 @@ class GraphDumper:
                 f.write(text)
             with open(os.path.join(self.folder, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2, default=str)
+
+
+def _unused_folder(directory: str, compile_id: str, rank: int) -> str:
+    """``<dir>/<compile id>/rank<r>``, or ``<compile id>.<n>`` when that already holds an earlier compile's
+    files (compile ids start over after torch._dynamo.reset() and in every new process): never overwrite."""
+    name, n = compile_id, 0
+    while os.path.exists(os.path.join(directory, name, f"rank{rank}")):
+        n += 1
+        name = f"{compile_id}.{n}"
+    return os.path.join(directory, name, f"rank{rank}")
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -103,7 +103,15 @@ def test_dump_dir_context_manager_and_env(tmp_path):
     step, _ = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
     with dpcompile.dump_graphs(tmp_path / "ctx"):
         step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
-    assert any(f.endswith("summary.txt") for _, _, fs in os.walk(tmp_path / "ctx") for f in fs)
+    summaries = lambda: sorted(os.path.relpath(r, tmp_path / "ctx") for r, _, fs in os.walk(tmp_path / "ctx")  # noqa: E731
+                               if "summary.txt" in fs)
+    assert summaries() == [os.path.join("0_0", "rank0")]
+    # compile ids start over after a reset (and in a new process): the next compile goes beside, not over
+    torch._dynamo.reset()
+    step, _ = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    with dpcompile.dump_graphs(tmp_path / "ctx"):
+        step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
+    assert summaries() == sorted([os.path.join("0_0", "rank0"), os.path.join("0_0.1", "rank0")])
 
 
 def _run_script(code: str, env_extra=None):

@@ -197,13 +197,17 @@ def size_oblivious_sdpa() -> None:
 _SDPA_FALLBACK = {"always": False, "traced": 0}
 
 
+_HF_SEEN: set = set()  # transformers functions already looked at (patched or not needing it)
+
+
 def hf_expand_position_ids() -> None:
     """Installs the position-id expansion in front of transformers' mask pre-processing (module doc);
     nothing when transformers is not imported or its function does not ask that question."""
     module = sys.modules.get("transformers.masking_utils")
     original = getattr(module, "_preprocess_mask_arguments", None)
-    if original is None or getattr(original, "_dpcompile_guarded", False):
+    if original is None or getattr(original, "_dpcompile_guarded", False) or original in _HF_SEEN:
         return
+    _HF_SEEN.add(original)  # looked at once (mark_batch calls this every step)
     try:
         source = inspect.getsource(original)
         names = list(inspect.signature(original).parameters)

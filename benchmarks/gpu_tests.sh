@@ -5,7 +5,7 @@
 #
 #   single  every test except the multi-GPU NCCL ones (one GPU is enough), in parallel with
 #           pytest-xdist; the sharded matrix of tests/test_fsdp.py splits into 4 process groups
-#   nccl    the NCCL tests (tests/test_fsdp.py -k nccl): 2 GPUs, 4 for the 4-rank case
+#   nccl    the NCCL tests (tests/test_fsdp.py -k nccl, one per model): 2 GPUs, 4 for the 4-rank ones
 #   all     both (the default)
 #
 # SPLIT=i/n runs the i-th of n parts of the single-GPU tests (whole test files, balanced by their
@@ -53,9 +53,6 @@ if ! python3 -c "import importlib.metadata as m; m.version('dpcompile')" 2>/dev/
 fi
 machine=$(python3 -c "import torch; n = torch.cuda.device_count(); print(f'torch {torch.__version__}, {n} x ' + (torch.cuda.get_device_name() if n else 'no GPU'))")
 
-# one Inductor compile thread and one intra-op thread per worker: the workers already fill the cores
-# (16 workers of 16 threads each ran the suite several times slower)
-export TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 workers=${WORKERS:-$(( $(nproc) * 3 / 4 ))}
 targets=tests  # unless the arguments name tests themselves
 for a in "$@"; do case "$a" in tests*) targets=;; esac; done
@@ -90,6 +87,10 @@ run_part() {  # name, pytest arguments...
   [ $rc -eq 0 ] || { grep -E "^(FAILED|ERROR) " "$log" | head -30; status=1; }
 }
 if [ "$part" != nccl ]; then
+  # one Inductor compile thread and one intra-op thread per worker: the workers already fill the cores
+  # (16 workers of 16 threads each ran the suite several times slower). The NCCL part keeps both: its
+  # few processes compile Triton kernels, serially with one thread.
+  TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
   run_part single -n "$workers" --dist loadgroup -k "not nccl" $targets "$@"
 fi
 if [ "$part" != single ]; then

@@ -50,6 +50,19 @@ def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[i
     return b.reshape(xs, [B, S, F])
 
 
+# Largest fp32 intermediate one per-sample norm form may materialise at the expected batch size ([B, p, m]
+# of the direct form, [B, S, S] Gram matrices of the ghost form); larger ones are computed in blocks whose
+# squared norms add. Unblocked, the direct form of GPT-2's LM head at B=8 materialised 1.2 GB per step.
+NORM_BLOCK_BYTES = 128 << 20
+
+
+def _spans(n: int, k: int) -> list[tuple[int, int]]:
+    """k contiguous [lo, hi) spans covering range(n), sizes differing by at most one."""
+    if k == 1:
+        return [(0, n)]
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
 def _transpose12(b, x):
     return b.permute(x, [0, 2, 1])
 
@@ -107,6 +120,16 @@ class NormBuilder:
             why = f"forced by linear_norm={choice!r}"
         return choice, why
 
+    def _blocks(self, per_sample_bytes: Any, n: Any) -> int:
+        """How many blocks along a dim of size n keep one block's fp32 intermediate, at the expected batch
+        size, within NORM_BLOCK_BYTES (1 when the sizes are symbolic: then nothing is known to split).
+        Counted from expected_batch_size, never from this rank's B: every rank builds the same graph."""
+        try:
+            total, n = int(per_sample_bytes) * int(self.ctx.config.expected_batch_size or 1), int(n)
+        except TypeError:
+            return 1
+        return max(1, min(n, -(-total // NORM_BLOCK_BYTES)))
+
     def mm_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
         b = self.b
         algo, why = self.mm_algorithm(c)
@@ -115,12 +138,36 @@ class NormBuilder:
             sa = b.sq_sum_per_sample(A)
             sg = b.sq_sum_per_sample(G)
             return b.call(aten.mul.Tensor, sa, sg), algo, why
+        _, S, p = A.meta["val"].shape
+        m = G.meta["val"].shape[2]
         if algo == "ghost":
-            Ga = bmm_f32(b, A, _transpose12(b, A))
-            Gg = bmm_f32(b, G, _transpose12(b, G))
-            return b.sum_per_sample(b.call(aten.mul.Tensor, Ga, Gg)), algo, why
-        W = bmm_f32(b, _transpose12(b, A), G)  # [B, p, m]
-        return b.sq_sum_per_sample(W), algo, why
+            # <A A^T, G G^T> over row blocks of the [S, S] Gram matrices
+            k = self._blocks(2 * S * S * 4, S)
+            parts = []
+            for lo, hi in _spans(S, k):
+                Ab = A if k == 1 else b.call(aten.slice.Tensor, A, 1, lo, hi)
+                Gb = G if k == 1 else b.call(aten.slice.Tensor, G, 1, lo, hi)
+                Ga = bmm_f32(b, Ab, _transpose12(b, A))
+                Gg = bmm_f32(b, Gb, _transpose12(b, G))
+                parts.append(b.sum_per_sample(b.call(aten.mul.Tensor, Ga, Gg)))
+        else:
+            # ||A^T G||^2 over blocks of the larger feature dim: [B, p, m] never whole when it is large
+            k = self._blocks(p * m * 4, max(p, m))
+            parts = []
+            for lo, hi in _spans(max(p, m), k):
+                Ab, Gb = A, G
+                if k > 1 and known(p >= m):
+                    Ab = b.call(aten.slice.Tensor, A, 2, lo, hi)
+                elif k > 1:
+                    Gb = b.call(aten.slice.Tensor, G, 2, lo, hi)
+                parts.append(b.sq_sum_per_sample(bmm_f32(b, _transpose12(b, Ab), Gb)))  # [B, p or block, m or block]
+        if k > 1:
+            why += f"; in {k} blocks of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
+            self.ctx.counters["norm_blocks"] += k
+        sq = parts[0]
+        for part in parts[1:]:
+            sq = b.call(aten.add.Tensor, sq, part)
+        return sq, algo, why
 
     def mm_materialize(self, c: Contribution) -> fx.Node:
         A, G = self.mm_factors(c)

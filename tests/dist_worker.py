@@ -383,20 +383,22 @@ def unmarked_batch(rank, world, init_file, out_dir):
 
 
 def _anchor_gpt():
-    """GPT-2-small's shape (12 layers, d=768, vocab 50257, untied head): the model of the benchmarks, whose
-    root holds wte, wpe, ln_f and the head while the blocks are sharded on their own."""
+    """GPT-2-small's widths (d=768, vocab 50257, untied head), 2 layers: the model of the benchmarks, whose
+    root holds wte, wpe, ln_f and the head while the blocks are sharded on their own (12 layers would only
+    add compile time: each took minutes to compile on 2 ranks)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     from train_gpt_dp import GPT
 
-    return GPT(50257, 768, 12, 12, 64), M.seq_ce, 50257
+    return GPT(50257, 768, 12, 2, 64), M.seq_ce, 50257
 
 
 def _hf_gpt2_small():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # GPT-2 small, tied head
+    # GPT-2 small's widths and tied head, 2 layers
+    cfg = GPT2Config(n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg), lambda out, y: M.seq_ce(out.logits, y), cfg.vocab_size
 
 
@@ -404,7 +406,7 @@ NCCL_CASES = {"gpt": lambda: make("gpt"), "llama": lambda: make("llama"), "ancho
               "hf_gpt2": _hf_gpt2_small}
 
 
-def correctness_nccl_bf16(rank, world, init_file, out_dir):
+def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
     """2 or 4 GPUs, NCCL, bf16 compute with fp32 parameters and reduction, against the fp64 reference.
 
     Plain torch.compile with backend="dp_fsdp", nothing else; the oracle runs in fp64 on the GPU.
@@ -415,44 +417,44 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir):
     torch.cuda.set_device(rank)
     mesh = init_device_mesh("cuda", (world,))
     results = {}
-    for case, build in NCCL_CASES.items():
-        for schedule in ("bk", "ghost"):
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model, loss_fn, vocab = build()
-            model = model.cuda()
-            sizes = {2: [3, 1], 4: [3, 2, 0, 1]}[world]  # an empty rank and a one-sample rank
-            ebs = sum(sizes) + 1
-            T = 6 if case in ("gpt", "llama") else 32
-            ids = torch.randint(0, vocab, (sum(sizes), T), generator=torch.Generator().manual_seed(1)).cuda()
-            _, norms = dp_reference(model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=ebs)
-            C = float(norms.median())
-            ref, _ = dp_reference(model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=ebs)
-            ref = {k: v.cpu() for k, v in ref.items()}
-            mp = dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            shard_like_a_user(model, mesh, mp_policy=mp)
-            options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs, schedule=schedule)
+    build = NCCL_CASES[case]
+    for schedule in ("bk", "ghost"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, loss_fn, vocab = build()
+        model = model.cuda()
+        sizes = {2: [3, 1], 4: [3, 2, 0, 1]}[world]  # an empty rank and a one-sample rank
+        ebs = sum(sizes) + 1
+        T = 6 if case in ("gpt", "llama") else 32
+        ids = torch.randint(0, vocab, (sum(sizes), T), generator=torch.Generator().manual_seed(1)).cuda()
+        _, norms = dp_reference(model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=ebs)
+        C = float(norms.median())
+        ref, _ = dp_reference(model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=ebs)
+        ref = {k: v.cpu() for k, v in ref.items()}
+        mp = dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_like_a_user(model, mesh, mp_policy=mp)
+        options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs, schedule=schedule)
 
-            def step(x, y):
-                loss = loss_fn(model(x), y).mean()
-                loss.backward()
-                return loss.detach()
+        def step(x, y):
+            loss = loss_fn(model(x), y).mean()
+            loss.backward()
+            return loss.detach()
 
-            local = ids[sum(sizes[:rank]): sum(sizes[: rank + 1])]
-            torch.compile(step, backend="dp_fsdp", options=options)(local, local)
-            worst = 0.0
-            for name, p in model.named_parameters():
-                full = p.grad.full_tensor().double().cpu()
-                assert p.grad.dtype == torch.float32, (name, p.grad.dtype)
-                scale = ref[name].abs().max().item() + 1e-12
-                err = (full - ref[name]).abs().max().item() / scale
-                worst = max(worst, err)
-                assert err < 0.05, (case, schedule, name, err)
-            results[f"{case}-{schedule}"] = worst
-            del model, ref
-            torch.cuda.empty_cache()
+        local = ids[sum(sizes[:rank]): sum(sizes[: rank + 1])]
+        torch.compile(step, backend="dp_fsdp", options=options)(local, local)
+        worst = 0.0
+        for name, p in model.named_parameters():
+            full = p.grad.full_tensor().double().cpu()
+            assert p.grad.dtype == torch.float32, (name, p.grad.dtype)
+            scale = ref[name].abs().max().item() + 1e-12
+            err = (full - ref[name]).abs().max().item() / scale
+            worst = max(worst, err)
+            assert err < 0.05, (case, schedule, name, err)
+        results[f"{case}-{schedule}"] = worst
+        del model, ref
+        torch.cuda.empty_cache()
     if rank == 0:
-        with open(os.path.join(out_dir, f"nccl_bf16_{world}.json"), "w") as f:
+        with open(os.path.join(out_dir, f"nccl_bf16_{world}_{case}.json"), "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
 

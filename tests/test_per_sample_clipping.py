@@ -132,6 +132,24 @@ def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d,
     assert record.counters["per_sample_two_stage_sums"] >= at_least
 
 
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("linear_norm", ["direct", "ghost"])
+def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, monkeypatch):
+    """A per-sample norm whose [B, p, m] (direct) or [B, S, S] (ghost) intermediate would exceed
+    NORM_BLOCK_BYTES at the expected batch size is summed over blocks: of the larger feature dim (the MLP's
+    fc has m > p, its proj p > m, the tied head V > d) or of the Gram matrices' rows. Exact either way."""
+    from dpcompile.passes import per_sample_norms
+
+    monkeypatch.setattr(per_sample_norms, "NORM_BLOCK_BYTES", 1024)
+    torch.manual_seed(0)
+    model = M.GPT(vocab=40, d=8, n_head=2, n_layer=1, max_t=8)
+    ids, y = _ids(5, 8, 40), _ids(5, 8, 40)
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, linear_norm=linear_norm)
+    (record,) = [r for r in backend.compiled if r.dp]
+    blocked = [e["why"] for e in record.summary["params"].values() if "blocks" in e.get("why", "")]
+    assert record.counters["norm_blocks"] >= 2 * len(blocked) and len(blocked) >= 4, record.summary["params"]
+
+
 class TimeMajor(torch.nn.Module):
     """Takes [T, B, d] input: the samples are on dim 1."""
 

@@ -31,7 +31,7 @@ def _read(tmp, world=2, prefix="rank"):
 
 
 # Variants of a model that runs sharded with both schedules (a frozen part, LoRA, tied weights, the K-dim
-# cross entropy, a summed loss): one schedule each, alternating, so the 2-core CI stays within its time.
+# cross entropy, a summed loss): one schedule each, alternating, to cut the 2-core CI time (still about 40 min).
 # Single-process, every case runs both (test_per_sample_clipping).
 SHARDED_VARIANTS = ("gpt_frozen", "gpt_kdim_ce", "gpt_lora", "gpt_tied", "llama_sum")
 

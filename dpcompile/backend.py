@@ -429,9 +429,10 @@ class DPBackend:
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())
         record.graphs["dynamo"] = graph_text(gm)
         dumper.dump("dynamo_graph", record.graphs["dynamo"])
+        inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, **inner)
 
         split = describe_split(gm)
         reason = getattr(gm, "compile_subgraph_reason", None)
@@ -452,7 +453,7 @@ class DPBackend:
                 # pad_mm pads and re-slices contractions in the joint graph; the
                 # per-sample norms are cheaper on the unpadded ones
                 "shape_padding": False,
-            })
+            }, **inner)
         n_seeds = len(inputs)
 
         def dp_step(*args):
@@ -464,6 +465,29 @@ class DPBackend:
 
         dp_step._dpcompile_record = record  # type: ignore[attr-defined]
         return dp_step
+
+
+def run_graph_eagerly(gm: fx.GraphModule, example_inputs, **kwargs) -> Callable:
+    """Inductor's inner compile for ``compiler="eager"``: the partitioned graph, run op by op.
+
+    The noise's ``inductor_random`` has an eager kernel that ignores its seed (it draws from torch's global
+    generator: the same numbers on every rank that seeded it alike, and none of the noise stream's
+    reproducibility); here it draws from a generator seeded with its seed instead. Not Inductor's numbers,
+    the same guarantees: one draw per coordinate from the per-parameter, per-rank, per-step seed."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_random.default):
+        node.target = seeded_random
+    gm.recompile()
+    _LazyGraphModule.force_recompile(gm)
+    return make_boxed_func(gm.forward)
+
+
+def seeded_random(size, seed: torch.Tensor, mode: str, **kwargs) -> torch.Tensor:
+    """``prims.inductor_random`` drawn from a generator seeded with ``seed`` (float32, as Inductor's)."""
+    generator = torch.Generator(device=seed.device).manual_seed(int(seed))
+    return getattr(torch, mode)(size, generator=generator, device=seed.device, dtype=torch.float32)
 
 
 _DROPPED_INPUT_NAME = "dpcompile_dropped_samples"

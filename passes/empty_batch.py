@@ -32,6 +32,24 @@ def says_only_nonempty(expr: sympy.Basic, b: sympy.Symbol) -> bool:
     return bool(expr.subs(b, 0) == sympy.false) and bool(expr.subs(b, n) == sympy.true)
 
 
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _resolve_inferred_size(node: fx.Node) -> bool:
+    """Replace a -1 in a view's sizes by the traced size when that is a plain number; True if it did."""
+    sizes, val = node.args[1], node.meta.get("val")
+    if not isinstance(sizes, (list, tuple)) or -1 not in sizes or val is None or val.dim() != len(sizes):
+        return False
+    i = list(sizes).index(-1)
+    size = val.shape[i]
+    if isinstance(size, torch.SymInt):
+        if not size.node.is_constant():  # depends on a symbol: only a graph value can say it
+            return False
+        size = int(size)
+    node.args = (node.args[0], [*sizes[:i], size, *sizes[i + 1:]], *node.args[2:])
+    return True
+
+
 def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     B = ctx.batch_size
     if not isinstance(B, torch.SymInt) or not isinstance(B.node.expr, sympy.Symbol):
@@ -43,6 +61,11 @@ def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
         if isinstance(val, torch.SymBool) and says_only_nonempty(val.node.expr, b):
             gm.graph.erase_node(node)
             ctx.counters["nonempty_batch_asserts_removed"] += 1
+    # The same assumption left a -1 in the view's sizes, which Inductor resolves from the traced shape but
+    # op-by-op execution (compiler="eager") cannot on an empty tensor: write the traced size in its place.
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS and _resolve_inferred_size(node):
+            ctx.counters["nonempty_batch_views_resolved"] += 1
     # Inductor emits the shape environment's deferred runtime asserts for an
     # unbacked symbol wherever it is bound, whatever the graph holds; drop it
     # there too (it is also an axiom there: without it the simplifier proves

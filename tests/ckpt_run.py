@@ -23,7 +23,7 @@ import models as M  # noqa: E402
 N, RATE, SEED = 40, 0.2, 7
 
 
-def train(directory, steps, mesh=None, die_saving_at=None, log=print):
+def train(directory, steps, mesh=None, die_saving_at=None, log=print, compiler="inductor"):
     torch.manual_seed(0)
     model = M.GPT(d=8, n_head=2, n_layer=1)
     rank, world = 0, 1
@@ -38,7 +38,8 @@ def train(directory, steps, mesh=None, die_saving_at=None, log=print):
     accountant = dpcompile.PrivacyAccountant(noise_multiplier=1.0, sample_rate=RATE)
 
     # a backend of its own: backends from equal options are shared, and so is their noise stream
-    backend = dpcompile.DPBackend(max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=RATE * N, seed=11)
+    backend = dpcompile.DPBackend(max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=RATE * N, seed=11,
+                                  compiler=compiler)
 
     def train_step(x):
         loss = M.seq_ce(model(x), x).mean()

@@ -31,8 +31,8 @@ def _read(tmp, world=2, prefix="rank"):
 
 
 # Variants of a model that runs sharded with both schedules (a frozen part, LoRA, tied weights, the K-dim
-# cross entropy, a summed loss): one schedule each, alternating, to cut the 2-core CI time (still about 40 min).
-# Single-process, every case runs both (test_per_sample_clipping).
+# cross entropy, a summed loss): one schedule each, alternating, for CI time. Single-process, every case runs
+# both (test_per_sample_clipping).
 SHARDED_VARIANTS = ("gpt_frozen", "gpt_kdim_ce", "gpt_lora", "gpt_tied", "llama_sum")
 
 
@@ -42,17 +42,24 @@ def _sharded_runs():
     from case to case (a variant of another case runs one of the two), and gpt runs all four, its second
     pair with contractions padded as on CUDA (uneven shards then make the ranks' graphs differ). What is
     compiled does not depend on the way (the same backend); the way decides how dpcompile finds the options
-    and marks the batch."""
+    and marks the batch.
+
+    Every case runs one of its runs through Inductor's generated code and the other with compiler="eager"
+    (the same graphs, op by op: what dpcompile rewrites is checked sharded in both schedules, Inductor's code
+    for sharded graphs once per case, at a third of the CI time). Inductor runs alternate between the
+    schedules and the ways from case to case; variants take the other compiler than their neighbour."""
     runs = []
     for i, name in enumerate(sorted(SHARDED_CASES)):
         forms = ("compile", "private_step") if i % 2 == 0 else ("private_step", "compile")
         if name in SHARDED_VARIANTS:
             v = SHARDED_VARIANTS.index(name)
-            runs.append((name, ("bk", "ghost")[v % 2], ("private_step", "compile")[v // 2 % 2]))
+            form = ("private_step", "compile")[v // 2 % 2] + ("+eager" if v % 2 == 0 else "")
+            runs.append((name, ("bk", "ghost")[v % 2], form))
             continue
-        runs += [(name, "bk", forms[0]), (name, "ghost", forms[1])]
+        eager = ("", "+eager") if i // 2 % 2 == 0 else ("+eager", "")
+        runs += [(name, "bk", forms[0] + eager[0]), (name, "ghost", forms[1] + eager[1])]
         if name == "gpt":
-            runs += [(name, "bk", forms[1] + "+pad"), (name, "ghost", forms[0] + "+pad")]
+            runs += [(name, "bk", forms[1] + "+pad+eager"), (name, "ghost", forms[0] + "+pad")]
     return runs
 
 
@@ -98,7 +105,8 @@ def test_sharded_matches_single_process_reference(case, schedule, form, sharded_
         assert r["batch_size"].startswith("u"), r  # unbacked: no 0/1 specialisation
         assert r["clipped"] > 0 and r["unclipped"] > 0, r
         check_case_invariants(case, r["counters"], {"frozen": r["frozen"]})
-        assert (r["padded"] > 0) == form.endswith("+pad"), r
+        assert (r["padded"] > 0) == ("+pad" in form), r
+        assert r["compiler"] == ("eager" if "+eager" in form else "inductor"), r
         if "llama" in case:  # view(B, T, H, -1): the tracer assumed B != 0; a rank with no samples runs anyway
             assert r["counters"]["nonempty_batch_asserts_removed"] >= 1, r["counters"]
 

@@ -168,6 +168,7 @@ def test_inputs_disagreeing_on_batch_size_get_a_hint():
     (dict(expected_batch_size=0), "expected_batch_size"),
     (dict(schedule="fast"), "schedule"),
     (dict(linear_norm="magic"), "linear_norm"),
+    (dict(compiler="aot_eager"), "compiler must be one of"),
     (dict(batch_dim="0"), "batch_dim"),
     (dict(disable_passes=("no_such_pass",)), "unknown pass"),
     (dict(disable_passes=("per_sample_norms",)), "cannot be disabled"),

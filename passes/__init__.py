@@ -25,6 +25,7 @@ from .loss_reduction import loss_reduction_pass
 from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
+from .second_backward_recompute import second_backward_recompute_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("per_sample_norms", per_sample_norms_pass),
     Pass("clip_schedule", clip_schedule_pass),
     Pass("gaussian_noise", gaussian_noise_pass),
+    Pass("second_backward_recompute", second_backward_recompute_pass, optional=True),
     Pass("cleanup", cleanup_pass, optional=True),
     # before fsdp_reshard: a pad of a gathered weight joins its recomputed chain
     Pass("aligned_contractions", aligned_contractions_pass, optional=True),

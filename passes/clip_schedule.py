@@ -76,9 +76,9 @@ def _operand_positions(c: Contribution) -> dict[int, Batched]:
 
 
 def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: Any, keep: fx.Node | None = None,
-                        arg_of=lambda a: a) -> fx.Node:
+                        arg_of=lambda a: a, clean: frozenset = frozenset()) -> fx.Node:
     """The contribution rebuilt with its tangent-side operand row-scaled by r (r None: not scaled) and every
-    per-sample operand's dropped rows zeroed."""
+    per-sample operand's dropped rows zeroed (but operands in ``clean``: zeroed already)."""
     node = c.node
     args = list(fx.node.map_arg(tuple(node.args), arg_of))
     positions = _operand_positions(c)
@@ -86,7 +86,7 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
     for i, lay in positions.items():
         if i == scaled and r is not None:
             args[i] = row_scale(b, args[i], lay, r, B, keep)
-        else:
+        elif args[i] not in clean:
             args[i] = zero_dropped_rows(b, args[i], lay, keep, B)
     return b.call(node.target, *args, **fx.node.map_arg(dict(node.kwargs), arg_of))
 
@@ -198,6 +198,42 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     return gm
 
 
+def _rearranges(node: fx.Node) -> bool:
+    """A view or copy of its one tensor input: values move, none change."""
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and (bool(t.is_view) or t in (
+        aten._unsafe_view.default, aten.clone.default)) and len(node.all_input_nodes) == 1
+
+
+def _mask_at_source(b: GraphBuilder, op: fx.Node, env: dict, clean: set, states: dict, keep: fx.Node, B: Any) -> None:
+    """Zero the dropped samples' rows where a second-backward operand is made, for every reader.
+
+    The operand is often a view of a value other second-backward ops read too (the logits' gradient: its
+    transpose feeds the head's weight gradient, itself the input gradient): masked at the source, Inductor
+    fuses the mask into the producer and all readers share one buffer; masked at the view, the mask is a
+    second logits-sized buffer. Reading zeros instead of a dropped sample's values changes nothing that is
+    kept: every contribution zeroes that sample's rows anyway.
+    """
+    views, base = [], op
+    while _rearranges(base) and base in env:
+        views.append(base)
+        base = base.all_input_nodes[0]
+    lay = states.get(base)
+    if base not in env or env[base] in clean or not isinstance(lay, Batched) or lay.dim is None:
+        return
+    src = env[base]
+    masked = zero_dropped_rows(b, src, lay, keep, B)
+    src.replace_all_uses_with(masked, delete_user_cb=lambda u: u is not masked and not _is_mask_of(u, src))
+    env[base] = masked
+    clean.add(masked)
+    for v in reversed(views):  # the existing copies of the views now read the masked value
+        clean.add(env[v])
+
+
+def _is_mask_of(u: fx.Node, src: fx.Node) -> bool:
+    return u.target is aten.where.self and len(u.args) > 1 and u.args[1] is src
+
+
 def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[fx.Node], keep=None) -> None:
     """Copies the backward with the loss tangent scaled per sample.
 
@@ -212,6 +248,10 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
     states = ctx.states
     tdep = ctx.tangent_dependent
     env: dict[fx.Node, fx.Node] = {}
+    # values whose dropped samples' rows are exact zeros already: the scaled tangent is masked where it is
+    # made, so the contractions that read it (the LM head's weight and input gradients) share one masked
+    # buffer instead of each masking a copy of a logits-sized operand
+    clean: set[fx.Node] = set()
     needed = [pg for pg in ctx.decompositions.values() if any(c.node in recompute_nodes for c, _ in pg.terms)]
 
     def arg_of(a):
@@ -232,9 +272,14 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
             free_t = [a for a in node.all_input_nodes if a in tdep and states.get(a) is FREE]
             if node in ctx.contributions and not free_t:
                 # a sum over samples of already scaled rows: zero the dropped samples' rows of every operand
-                new = scaled_contribution(b, ctx.contributions[node], None, B, keep, arg_of)
+                if keep is not None:
+                    for op in ctx.contributions[node].node.all_input_nodes:
+                        _mask_at_source(b, op, env, clean, states, keep, B)
+                new = scaled_contribution(b, ctx.contributions[node], None, B, keep, arg_of, frozenset(clean))
             elif not free_t or st is FREE or node.target is operator.getitem:
                 new = graph.node_copy(node, arg_of)
+                if _rearranges(node) and all(a in clean for a in new.all_input_nodes):
+                    clean.add(new)  # a view of zeroed rows: the same zeros
             elif node in ctx.contributions:
                 # a contraction whose tangent-side operand has no sample dim of its own
                 new = scaled_contribution(b, ctx.contributions[node], r, B, keep, arg_of)
@@ -242,7 +287,8 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
             elif isinstance(st, Batched) and st.dim is not None:
                 batched_t = [a for a in node.all_input_nodes if a in tdep and isinstance(states.get(a), Batched)]
                 if not batched_t:
-                    new = row_scale(b, graph.node_copy(node, arg_of), st, r, B)
+                    new = row_scale(b, graph.node_copy(node, arg_of), st, r, B, keep)
+                    clean.add(new)
                 elif isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
                     ov = node.meta["val"]
                     repl = {}
@@ -257,6 +303,7 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
                 raise cannot(node, f"its output state is {st}")
             new.meta["dpcompile"] = True
             env[node] = new
+        ctx.second_backward.update(env)
         for pg in needed:
             _replace_output(out, pg.param.grad_output_index, env[pg.grad_node])
             ctx.counters["ghost_recomputed_params"] += 1

@@ -48,6 +48,7 @@ class DPPassContext:
     contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     analysis: Any = None
     backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order
+    second_backward: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)  # ghost: original -> copy
     whole_gradient_mode: bool = False  # B <= 1: the per-sample gradient is the gradient
     empty_batch: bool = False  # B == 0: zero gradient + noise
     counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)

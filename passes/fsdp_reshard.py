@@ -53,7 +53,10 @@ def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
 def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Marks the parameter gather chains of reshard_after_forward parameters for recompute, and the forward
     ops that read them as saved."""
-    backward = _tangent_dependent(gm.graph) if ctx.reshard_primals else set()
+    # backward: what reads the tangent, and what dpcompile placed in the backward without reading it (a
+    # forward value the ghost second backward recomputes): those read a gathered parameter in the backward
+    backward = (_tangent_dependent(gm.graph) | {n for n in gm.graph.nodes
+                                                if n.meta.get("partitioner_tag") == "must_be_in_backward"}) if ctx.reshard_primals else set()
     for primal in ctx.reshard_primals:
         frontier = list(primal.users)
         chain: set[fx.Node] = set()

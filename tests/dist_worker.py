@@ -145,7 +145,8 @@ def shard_like_a_user(model, mesh, **kwargs):
 
 def every_case(rank, world, init_file, out_dir, runs):
     """Runs (case name in cases.SHARDED_CASES, schedule, form) sharded on 2 ranks. The form is "compile" or
-    "private_step", with "+pad" (contractions padded as on CUDA) and "+eager" (compiler="eager") flags.
+    "private_step", with flags "+pad" (contractions padded as on CUDA), "+eager" (compiler="eager") and
+    "+recompute" (the ghost second backward recomputes every forward contraction it can).
 
     Steps with per-rank batch sizes SHARDED_STEPS (different data on each rank; the (5, 3) step accumulated
     from 2 micro-batches per rank); after each, every rank's gathered gradient must equal the float64 oracle
@@ -188,19 +189,25 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule, seed=seed)
 
     form, *flags = form.split("+")
-    pad = "pad" in flags
     if "eager" in flags:
         options["compiler"] = "eager"
-    if pad:  # the CUDA padding rule, forced on for CPU float32
-        from dpcompile.passes import aligned_contractions
+    from dpcompile.passes import aligned_contractions, second_backward_recompute
 
-        saved = aligned_contractions.PAD_DEVICES, aligned_contractions.ALIGNMENT
-        aligned_contractions.PAD_DEVICES, aligned_contractions.ALIGNMENT = ("cpu",), {torch.float32: 8}
+    patches = []
+    if "pad" in flags:  # the CUDA padding rule, forced on for CPU float32
+        patches += [(aligned_contractions, "PAD_DEVICES", ("cpu",)),
+                    (aligned_contractions, "ALIGNMENT", {torch.float32: 8})]
+    if "recompute" in flags:  # every forward value the ghost second backward reads qualifies (small models)
+        patches += [(second_backward_recompute, "RECOMPUTE_MIN_BYTES", 1),
+                    (second_backward_recompute, "RECOMPUTE_MIN_RATIO", 1)]
+    saved = [(m, k, getattr(m, k)) for m, k, _ in patches]
+    for m, k, v in patches:
+        setattr(m, k, v)
     try:
         return _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches)
     finally:
-        if pad:
-            aligned_contractions.PAD_DEVICES, aligned_contractions.ALIGNMENT = saved
+        for m, k, v in saved:
+            setattr(m, k, v)
 
 
 def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
@@ -260,6 +267,7 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
     graphs = [r for r in backend.compiled[known:] if r.dp]
     return {"error": None, "dp_graphs": len(graphs), "batch_size": graphs[0].summary["batch_size"],
             "padded": graphs[0].counters.get("contractions_padded", 0), "compiler": backend.config.compiler,
+            "recomputed": graphs[0].counters.get("second_backward_recomputed_contractions", 0),
             "counters": graphs[0].counters, "frozen": graphs[0].summary["frozen"], "clipped": clipped,
             "unclipped": unclipped, "worst": worst, "seconds": time.time() - start}
 

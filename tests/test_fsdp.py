@@ -59,7 +59,9 @@ def _sharded_runs():
         eager = ("", "+eager") if i // 2 % 2 == 0 else ("+eager", "")
         runs += [(name, "bk", forms[0] + eager[0]), (name, "ghost", forms[1] + eager[1])]
         if name == "gpt":
-            runs += [(name, "bk", forms[1] + "+pad+eager"), (name, "ghost", forms[0] + "+pad")]
+            runs += [(name, "bk", forms[1] + "+pad+eager"), (name, "ghost", forms[0] + "+pad+recompute")]
+        if name == "hf_gpt2":  # its eager ghost run: the second backward's recomputed logits, sharded
+            runs[-1] = (name, "ghost", runs[-1][2] + "+recompute")
     return runs
 
 
@@ -107,6 +109,7 @@ def test_sharded_matches_single_process_reference(case, schedule, form, sharded_
         check_case_invariants(case, r["counters"], {"frozen": r["frozen"]})
         assert (r["padded"] > 0) == ("+pad" in form), r
         assert r["compiler"] == ("eager" if "+eager" in form else "inductor"), r
+        assert (r["recomputed"] > 0) == ("+recompute" in form), r
         if "llama" in case:  # view(B, T, H, -1): the tracer assumed B != 0; a rank with no samples runs anyway
             assert r["counters"]["nonempty_batch_asserts_removed"] >= 1, r["counters"]
 

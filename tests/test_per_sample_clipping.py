@@ -153,6 +153,26 @@ def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, 
     assert record.counters["norm_blocks"] >= 2 * len(blocked) and len(blocked) >= 4, record.summary["params"]
 
 
+@pytest.mark.parametrize("case", ["gpt", "hf_gpt2"])
+def test_ghost_second_backward_recomputes_the_logits(case, monkeypatch):
+    """The ghost second backward recomputes a large forward value made by a contraction (the log-softmax of
+    the LM head's logits) instead of keeping it through the first backward; with two bad samples (NaN
+    input, inf weight) dropped and the rest clipped, exact. The recomputed chain runs in the backward."""
+    from dpcompile.passes import second_backward_recompute as SBR
+
+    monkeypatch.setattr(SBR, "RECOMPUTE_MIN_BYTES", 1)  # the test models are small: every size qualifies
+    monkeypatch.setattr(SBR, "RECOMPUTE_MIN_RATIO", 1)  # and a vocabulary narrower than 8x the width
+    c = with_bad_samples(CASES[case])
+    inputs, targets = c.data(6)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="ghost")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters.get("second_backward_recomputed_contractions", 0) >= 1, record.counters
+    assert record.summary["second_backward_recompute"], record.summary
+    mm = lambda phase: {shape for t, shape in record.ops[phase] if t in ("aten.mm.default", "aten.addmm.default")}  # noqa: E731
+    logits = max(mm("forward"), key=lambda s: s[-1])  # the LM head's [B*T, V]: the widest forward contraction
+    assert logits in mm("backward"), (logits, mm("backward"))  # computed again in the backward
+
+
 class TimeMajor(torch.nn.Module):
     """Takes [T, B, d] input: the samples are on dim 1."""
 

@@ -6,6 +6,7 @@
     python benchmarks/step.py --tiny                              # CPU smoke run (gloo, 1 rank)
     python benchmarks/step.py --tiny --model llama
     torchrun --nproc_per_node=4 benchmarks/step.py --bucket-mb 64 [--overlap]  # bucketed collectives
+    python benchmarks/step.py --batch 4 --cudagraphs                  # CUDA graphs in every mode
 
 Every mode uses the same model, the same fully_shard sharding and mixed
 precision (fp32 parameters, bf16 compute, fp32 gradient reduction); only the
@@ -64,11 +65,11 @@ def run_mode(mode, args, mesh, device, world):
         return loss.detach()
 
     if mode == "nonprivate":
-        step = torch.compile(train_step, backend="inductor")
+        step = torch.compile(train_step, backend="inductor", mode="reduce-overhead" if args.cudagraphs else None)
     else:
         # what users run: one graph for every per-rank batch size (private_step marks the batch)
-        step = dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=1.0,
-                                      expected_batch_size=args.batch * world, schedule=mode)(train_step)
+        step = dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch * world,
+                                      schedule=mode, cudagraphs=args.cudagraphs)(train_step)
     g = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -91,6 +92,7 @@ def run_mode(mode, args, mesh, device, world):
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - t)
+        loss = float(loss)  # under CUDA graphs the next replay reuses its memory
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     overlap = profile_step(mode, args, lambda: (step(x, y), opt.step(), opt.zero_grad(set_to_none=True)), sync) \
         if args.profile else None
@@ -165,6 +167,8 @@ def main(argv=None) -> int:
                     help="dpcompile.bucket_collectives(MiB) for every mode (non-private too); default: unbucketed")
     ap.add_argument("--overlap", action="store_true",
                     help="with --bucket-mb: also Inductor's compute/communication reordering (every mode)")
+    ap.add_argument("--cudagraphs", action="store_true",
+                    help="CUDA graphs: mode='reduce-overhead' for the non-private step, cudagraphs=True for dp_fsdp")
     ap.add_argument("--combo-kernels", action="store_true",
                     help="Inductor combo kernels (independent small kernels launched as one), every mode")
     args = ap.parse_args(argv)

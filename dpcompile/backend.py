@@ -430,9 +430,10 @@ class DPBackend:
         record.graphs["dynamo"] = graph_text(gm)
         dumper.dump("dynamo_graph", record.graphs["dynamo"])
         inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
+        cudagraphs = {"triton.cudagraphs": self.config.cudagraphs}
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
-            return compile_fx(gm, example_inputs, **inner)
+            return compile_fx(gm, example_inputs, config_patches=cudagraphs, **inner)
 
         split = describe_split(gm)
         reason = getattr(gm, "compile_subgraph_reason", None)
@@ -453,11 +454,16 @@ class DPBackend:
                 # pad_mm pads and re-slices contractions in the joint graph; the
                 # per-sample norms are cheaper on the unpadded ones
                 "shape_padding": False,
+                **cudagraphs,
             }, **inner)
         n_seeds = len(inputs)
+        own_grads = GradsOutOfGraphMemory([gi.index for gi in inputs if gi.kind == "param"], counter) \
+            if self.config.cudagraphs else None
 
         def dp_step(*args):
             self.calls += 1
+            if own_grads is not None:
+                own_grads(args)
             if accumulating():  # no noise, and the noise stream stays where it is
                 return compiled(*args, seeds_example, counter, gate_off)
             seeds = self.noise.next(n_seeds, device)
@@ -465,6 +471,33 @@ class DPBackend:
 
         dp_step._dpcompile_record = record  # type: ignore[attr-defined]
         return dp_step
+
+
+class GradsOutOfGraphMemory:
+    """Under CUDA graphs, a step's outputs (the gradients autograd stores in ``.grad`` among them) live in
+    the graphs' memory pool, which the next step's replay overwrites (accessing them afterwards raises).
+    Before each step, a ``.grad`` still held from an earlier step (gradient accumulation, the
+    dropped-sample counter, ``zero_grad(set_to_none=False)``) is copied to memory of its own, once: later
+    steps accumulate into the copy."""
+
+    def __init__(self, param_positions: list[int], counter: torch.Tensor):
+        self.param_positions = param_positions
+        self.counter = counter
+        self.owned: dict[int, Any] = {}  # id(leaf) -> weakref to the .grad copy made here
+
+    def __call__(self, args) -> None:
+        import weakref
+
+        leaves = [args[i] for i in self.param_positions] + [self.counter]
+        for leaf in leaves:
+            g = leaf.grad
+            if g is None:
+                continue
+            ref = self.owned.get(id(leaf))
+            if ref is not None and ref() is g:
+                continue
+            leaf.grad = g.detach().clone()
+            self.owned[id(leaf)] = weakref.ref(leaf.grad)
 
 
 def run_graph_eagerly(gm: fx.GraphModule, example_inputs, **kwargs) -> Callable:

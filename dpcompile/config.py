@@ -44,6 +44,14 @@ class DPConfig:
         Inductor's code generation from one of dpcompile's rewrite (as
         backend="aot_eager_decomp_partition" does for stock torch.compile),
         and compiles in a fraction of the time (CPU tests).
+    cudagraphs: run the compiled forward and backward (noise included) as
+        CUDA graphs, as ``mode="reduce-overhead"`` does for stock
+        torch.compile: one launch per graph instead of one per kernel, for
+        small, launch-bound steps. As there, the step's outputs live in the
+        graphs' memory until the next step; gradients left in ``.grad`` across
+        steps (``dpcompile.accumulate()``, ``zero_grad(set_to_none=False)``)
+        are copied out before the next step runs. CUDA only; needs
+        ``compiler="inductor"``.
     """
 
     max_grad_norm: float
@@ -58,6 +66,7 @@ class DPConfig:
     memory_budget: int = 1 << 30
     linear_norm: str = "auto"
     compiler: str = "inductor"
+    cudagraphs: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -80,6 +89,11 @@ class DPConfig:
             bad(f"linear_norm must be one of {LINEAR_NORM_ALGORITHMS}, got {self.linear_norm!r}")
         if self.compiler not in COMPILERS:
             bad(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if not isinstance(self.cudagraphs, bool):
+            bad(f"cudagraphs must be True or False, got {self.cudagraphs!r}")
+        if self.cudagraphs and self.compiler != "inductor":
+            bad(f"cudagraphs=True needs compiler='inductor' (CUDA graphs capture Inductor's kernels), "
+                f"got compiler={self.compiler!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad(f"seed must be an int or None, got {self.seed!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):

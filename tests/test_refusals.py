@@ -169,6 +169,8 @@ def test_inputs_disagreeing_on_batch_size_get_a_hint():
     (dict(schedule="fast"), "schedule"),
     (dict(linear_norm="magic"), "linear_norm"),
     (dict(compiler="aot_eager"), "compiler must be one of"),
+    (dict(cudagraphs="yes"), "cudagraphs must be True or False"),
+    (dict(cudagraphs=True, compiler="eager"), "cudagraphs=True needs compiler='inductor'"),
     (dict(batch_dim="0"), "batch_dim"),
     (dict(disable_passes=("no_such_pass",)), "unknown pass"),
     (dict(disable_passes=("per_sample_norms",)), "cannot be disabled"),

@@ -186,7 +186,7 @@ class DPPartitioner(CustomPartitionerFn):
             if p.name in self.backend.config.disable_passes:
                 continue
             gm = finalize(p.fn(gm, ctx))  # passes append rebuilt nodes; restore order, lint
-            self._dump(f"joint_after_{p.name}", gm)
+            self._dump(f"joint_after_{p.name}", gm, keep=False)
         self._dump("joint_graph_after_dp", gm)
         after = {n.name for n in gm.graph.nodes if n.op == "call_function"}
         removed = sorted(f"{k} ({v})" for k, v in before.items() if k not in after)
@@ -218,10 +218,15 @@ class DPPartitioner(CustomPartitionerFn):
         self.record.dump_files = list(self.dumper.files)
         return fw, bw
 
-    def _dump(self, stage: str, gm: fx.GraphModule) -> None:
-        text = graph_text(gm)
-        self.record.graphs[stage] = text
-        self.dumper.dump(stage, text)
+    def _dump(self, stage: str, gm: fx.GraphModule, keep: bool = True) -> None:
+        """The stage's readable graph into the dumps; kept in ``record.graphs`` too unless ``keep`` is False
+        (the graph after each pass: printing a GPT-2-sized joint graph once per pass cost seconds of every
+        compile, so those texts are made only when a dump directory or TORCH_TRACE wants them)."""
+        if keep:
+            self.record.graphs[stage] = text = graph_text(gm)
+            self.dumper.dump(stage, text)
+        else:
+            self.dumper.dump(stage, lambda: self.record.graphs.setdefault(stage, graph_text(gm)))
 
     def _context(self, gm: fx.GraphModule, num_fwd_outputs: int) -> DPPassContext:
         cfg = self.backend.config

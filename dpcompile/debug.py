@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.fx as fx
 
@@ -44,11 +45,15 @@ class GraphDumper:
         self.count = 0
         self.files: list[str] = []
 
-    def dump(self, stage: str, body: str) -> None:
+    def dump(self, stage: str, body: "str | Callable[[], str]") -> None:
+        """``body``: the text, or a function making it, called only if a folder or TORCH_TRACE takes it."""
         name = f"{self.count:02d}_{_safe(stage)}"
         self.count += 1
+        if callable(body):
+            body = functools.cache(body)
         _trace_artifact(f"{self.prefix}_{name}", body)
         if self.folder:
+            body = body() if callable(body) else body
             os.makedirs(self.folder, exist_ok=True)
             path = os.path.join(self.folder, name + ".py")
             with open(path, "w") as f:
@@ -94,14 +99,14 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _trace_artifact(name: str, payload: str) -> None:
+def _trace_artifact(name: str, payload: "str | Callable[[], str]") -> None:
     try:
         from torch._logging import trace_structured
 
         trace_structured(
             "artifact",
             metadata_fn=lambda: {"name": name, "encoding": "string"},
-            payload_fn=lambda: payload,
+            payload_fn=payload if callable(payload) else (lambda: payload),  # called only when tracing
         )
     except Exception:  # tracing is best-effort; never break a compile over it
         pass

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import unittest.mock
 
 import torch
 from expecttest import TestCase
@@ -59,7 +60,9 @@ mm [7, 5]""")
         torch._dynamo.reset()
         model = M.MLP()
         step, backend = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
-        step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
+        # pytest's log capture hangs handlers on torch's trace log, which then asks for every artifact
+        with unittest.mock.patch.object(torch._logging._internal.trace_log, "handlers", []):
+            step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
         rec = backend.compiled[0]
         self.assertExpectedInline(op_trace(rec.ops["backward"]).split("clamp_max [4]\n")[1], """\
 mm [3, 7]
@@ -70,6 +73,9 @@ inductor_random [3, 7]
 inductor_random [3]""")
         self.assertNotIn("inductor_random", rec.graphs["forward"])
         self.assertEqual(rec.counters["noise_added"], 4)
+        # no dump asked for: the graph after each pass is not printed (seconds per compile at GPT-2 size)
+        self.assertEqual(sorted(rec.graphs), ["backward", "dynamo", "forward", "joint_graph_after_dp",
+                                              "joint_graph_before_dp"])
 
 
 def test_dumps_and_summary(tmp_path):
@@ -146,6 +152,8 @@ def test_string_backend_works_without_importing_dpcompile(tmp_path):
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
     logs = "".join(open(os.path.join(tmp_path / "trace", f)).read() for f in os.listdir(tmp_path / "trace"))
     assert "dpcompile_" in logs and "summary" in logs  # graph dumps as TORCH_TRACE artifacts
+    # the joint graph after each pass too (made only when a dump or the trace wants it)
+    assert "joint_after_per_sample_norms" in logs and "joint_after_gaussian_noise" in logs
 
 
 def test_private_step_decorator():

@@ -72,6 +72,9 @@ inductor_random [7]
 inductor_random [3, 7]
 inductor_random [3]""")
         self.assertNotIn("inductor_random", rec.graphs["forward"])
+        # the seed lookups too: in the forward they were one node and one saved scalar per parameter
+        self.assertNotIn("inductor_lookup_seed", rec.graphs["forward"])
+        self.assertEqual(sum(op == "prims.inductor_lookup_seed.default" for op, _ in rec.ops["backward"]), 4)
         self.assertEqual(rec.counters["noise_added"], 4)
         # no dump asked for: the graph after each pass is not printed (seconds per compile at GPT-2 size)
         self.assertEqual(sorted(rec.graphs), ["backward", "dynamo", "forward", "joint_graph_after_dp",

@@ -21,20 +21,26 @@ from .context import DPPassContext
 _C10D = torch.ops._c10d_functional
 
 
-def _collectives_feeding(out_arg: fx.Node) -> list[fx.Node]:
-    """The reductions on the way to a gradient output, outermost first.
+def _collectives_feeding(out_arg: fx.Node, seen: dict[fx.Node, bool]) -> list[fx.Node]:
+    """The reductions on the way to a gradient output not found for an earlier output, outermost first.
 
     Everything between the output and the reductions is searched (waits,
     views, an uneven shard's slice, the sum of a parameter's reductions when
     it is used twice); below a reduction only waits and further reductions
     (a 2-D mesh reduces twice), not the gradient's own computation.
+    ``seen`` (node -> whether it was reached below a reduction) is shared by
+    the searches of one graph: what an earlier output's search expanded holds
+    no reduction that is not already ordered, so the graph is walked once,
+    not once per parameter.
     """
-    found, stack, seen = [], [(out_arg, False)], set()
+    found, stack = [], [(out_arg, False)]
     while stack:
         n, below = stack.pop()
-        if not isinstance(n, fx.Node) or n in seen or n.op != "call_function":
+        if not isinstance(n, fx.Node) or n.op != "call_function":
             continue
-        seen.add(n)
+        if n in seen and (not seen[n] or below):  # expanded already, at least as far as it would be now
+            continue
+        seen[n] = below
         if n.target in _REDUCTIONS:
             found.append(n)
             below = True
@@ -46,12 +52,15 @@ def _collectives_feeding(out_arg: fx.Node) -> list[fx.Node]:
 
 def gradient_collectives(gm: fx.GraphModule, ctx: DPPassContext) -> list[fx.Node]:
     """The gradient reductions in canonical order: that of the parameters' gradient outputs."""
+    if not any(n.target in _REDUCTIONS for n in gm.graph.nodes if n.op == "call_function"):
+        return []  # one process, or no gradient is reduced across ranks
     out = gm.graph.find_nodes(op="output")[0]
     order: list[fx.Node] = []
+    seen: dict[fx.Node, bool] = {}
     # last parameter first: the order in which a backward produces gradients
     for p in sorted(ctx.params, key=lambda p: p.grad_output_index, reverse=True):
         g = out.args[0][p.grad_output_index]
-        for c in reversed(_collectives_feeding(g)):  # innermost (first issued) first
+        for c in reversed(_collectives_feeding(g, seen)):  # innermost (first issued) first
             if c not in order:
                 order.append(c)
     return order

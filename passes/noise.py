@@ -44,7 +44,7 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             seed = b.call(torch.ops.prims.inductor_lookup_seed.default, seeds, pg.param.noise_index)
             # it reads only a graph input, so the min-cut would put it in the forward and save its scalar for
             # the backward: one forward node and one saved tensor per parameter, and Inductor's fusion tried
-            # every pair of them (they all read the seeds), a quarter of a GPT-2 forward's compile time
+            # every pair of them (they all read the seeds): 23k of a 12-layer GPT forward's 23.5k fusion checks
             seed.meta["partitioner_tag"] = "must_be_in_backward"
             z = b.call(torch.ops.prims.inductor_random.default, list(gv.shape), seed, "randn")
             z = b.call(aten.mul.Tensor, z, scale)

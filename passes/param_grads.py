@@ -244,16 +244,19 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
     """For every trainable parameter: which contributions make up its gradient."""
     out = gm.graph.find_nodes(op="output")[0]
     outs = out.args[0]
+    # one process: no gradient is reduced across ranks, and local_terms' search of every gradient's whole
+    # computation for a reduction (once per parameter) would find none
+    reduced = any(n.target in COLLECTIVE_REDUCTIONS for n in gm.graph.nodes if n.op == "call_function")
     for p in ctx.params:
         g = outs[p.grad_output_index]
         if g is None:
             continue
         if ctx.whole_gradient_mode or ctx.empty_batch:
-            ctx.decompositions[p.name] = ParamGrad(p, g, [], True, local_terms(g, p.name))
+            ctx.decompositions[p.name] = ParamGrad(p, g, [], True, local_terms(g, p.name) if reduced else [])
             continue
         terms, simple = decompose(g, ctx, p)
         simple = simple and len(terms) == 1
-        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple, local_terms(g, p.name))
+        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple, local_terms(g, p.name) if reduced else [])
         ctx.counters["params_decomposed"] += 1
         if len(terms) > 1:
             ctx.counters["params_shared"] += 1

@@ -307,10 +307,34 @@ def measure(spec: dict, device) -> dict:
         if first_loss is None:  # --warmup 0: read after the timing
             first_loss = loss_value(loss)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    snapshot = memory_snapshot(spec, step, device) if spec.get("memory_snapshots") else None
     return {"status": "ok", "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": peak, "compile_and_warmup_s": warm_s, "setup_s": setup_s,
             "first_loss": first_loss, "loss": loss_value(loss),
-            "params": sum(p.numel() for p in model.parameters()), "compile_phases": compile_phases()}
+            "params": sum(p.numel() for p in model.parameters()), "compile_phases": compile_phases(),
+            "memory_snapshot": snapshot}
+
+
+def memory_snapshot(spec: dict, step, device) -> str | None:
+    """One more step with the CUDA caching allocator's history on, dumped as a snapshot pickle (open it at
+    pytorch.org/memory_viz, or read it with torch.cuda._memory_viz): which buffers are alive at the peak and
+    where they were allocated. None on CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    os.makedirs(spec["memory_snapshots"], exist_ok=True)
+    path = os.path.join(spec["memory_snapshots"], f"{spec['model']}_{spec['B']}x{spec['T']}_{spec['dtype']}_"
+                        f"{spec['mode'].replace(':', '-')}.pickle")
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.memory._dump_snapshot(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return path
 
 
 def compile_phases(top: int = 16) -> dict:
@@ -737,7 +761,8 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
     SIGINT or SIGHUP stopped the run, its number (the mode then running ends as a row with status 'stopped')."""
     specs = [dict(model=m, B=b, T=t, dtype=dt, mode=mode, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
-                  llama_tied=args.llama_tied)
+                  llama_tied=args.llama_tied,
+                  memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None)
              for (m, b, t) in args.shapes for dt in args.dtypes for mode in args.modes]
     results: list[dict] = []
     stopped = None
@@ -794,6 +819,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-tied", action="store_true", help="tie Llama's LM head to its embedding (Opacus refuses)")
     ap.add_argument("--mode-timeout", type=float, default=600, help="seconds one mode may take, compile included")
     ap.add_argument("--logs", default=None, help="directory for each mode's full output")
+    ap.add_argument("--memory-snapshots", default=None, metavar="DIR",
+                    help="CUDA: after the timed steps, one more step recorded as a memory snapshot pickle in DIR "
+                         "(what is alive at the peak, and where it was allocated)")
     ap.add_argument("--out", default=None,
                     help="JSON of all rows, rewritten after every mode (marked partial until the last)")
     ap.add_argument("--plot", default=None, help="bar chart PNG of the time ratios")

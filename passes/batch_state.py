@@ -151,6 +151,12 @@ _C10D = torch.ops._c10d_functional
 COLLECTIVE_REDUCTIONS = {_C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default}
 
 
+def has_collective_reductions(graph) -> bool:
+    """Whether any value of the graph is reduced across ranks (False on one process): passes that look for
+    the reductions behind each gradient skip their per-parameter searches when there are none."""
+    return any(n.op == "call_function" and n.target in COLLECTIVE_REDUCTIONS for n in graph.nodes)
+
+
 # ---------------------------------------------------------------------------
 # the refusal of a loss that is not a sum or mean of per-sample losses (the analysis and the loss pass)
 PER_SAMPLE_LOSS_HELP = (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .batch_state import COLLECTIVE_REDUCTIONS as _REDUCTIONS
+from .batch_state import COLLECTIVE_REDUCTIONS as _REDUCTIONS, has_collective_reductions
 from .cleanup import stable_topological_sort
 from .context import DPPassContext
 
@@ -52,7 +52,7 @@ def _collectives_feeding(out_arg: fx.Node, seen: dict[fx.Node, bool]) -> list[fx
 
 def gradient_collectives(gm: fx.GraphModule, ctx: DPPassContext) -> list[fx.Node]:
     """The gradient reductions in canonical order: that of the parameters' gradient outputs."""
-    if not any(n.target in _REDUCTIONS for n in gm.graph.nodes if n.op == "call_function"):
+    if not has_collective_reductions(gm.graph):
         return []  # one process, or no gradient is reduced across ranks
     out = gm.graph.find_nodes(op="output")[0]
     order: list[fx.Node] = []

@@ -18,7 +18,8 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import module_of, op_name
 
-from .batch_state import COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, is_zero_constant, masked_operand
+from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, has_collective_reductions,
+                          is_zero_constant, masked_operand)
 from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten
@@ -246,7 +247,7 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
     outs = out.args[0]
     # one process: no gradient is reduced across ranks, and local_terms' search of every gradient's whole
     # computation for a reduction (once per parameter) would find none
-    reduced = any(n.target in COLLECTIVE_REDUCTIONS for n in gm.graph.nodes if n.op == "call_function")
+    reduced = has_collective_reductions(gm.graph)
     for p in ctx.params:
         g = outs[p.grad_output_index]
         if g is None:

@@ -5,8 +5,10 @@ one step = forward, loss, backward (with whatever clipping and noise the mode
 does), optimizer step, zero_grad. Modes:
 
     nonprivate              stock torch.compile(step) (Inductor), unsharded
+    nonprivate:cg           the same, mode="reduce-overhead" (CUDA graphs)
     nonprivate_eager        the same step uncompiled (what Opacus runs on)
     bk, ghost, auto         dpcompile.private_step(schedule=...) on the same step
+    bk:cg, ghost:cg         ... with cudagraphs=True (the step replayed as CUDA graphs, noise included)
     opacus:ghost            Opacus 1.6 ghost clipping (PrivacyEngine.make_private, grad_sample_mode="ghost")
     opacus:ghost_fsdp       the same under Opacus' FSDP2 wrapper (2+ GPUs, torchrun)
     fork:flash_bk           the seeds' Opacus fork (github.com/JackyXiao98/opacus), grad_sample_mode="flash_bk"
@@ -20,7 +22,9 @@ child process (fresh model from seed 0, fresh dynamo, fresh CUDA allocator):
 Opacus 1.6 and the fork are both the package `opacus` and never share an
 interpreter, and a crash, OOM or hang of one mode cannot stop the others.
 Median of --iters timed steps after --warmup steps (compile included in
-warm-up, reported separately); peak memory over the timed steps. Ratios are to
+warm-up, reported separately); peak memory over the timed steps (CUDA-graph
+modes: over the whole run, since their pool is allocated while capturing in
+the warm-up; an upper bound that includes compile-time autotuning). Ratios are to
 the fastest non-private step of the same shape and dtype.
 
     python benchmarks/anchors.py --tiny --fork-path .whl/fork       # CPU smoke run, about 2 minutes
@@ -98,17 +102,22 @@ RESULT_TAG = "ANCHORS_RESULT "
 # mode -> (library, what the library calls it, runs on several ranks under torchrun)
 MODES = {
     "nonprivate": ("torch", "compiled", False),
+    "nonprivate:cg": ("torch", "compiled", False),
     "nonprivate_eager": ("torch", "eager", False),
     "bk": ("dpcompile", "bk", False),
     "ghost": ("dpcompile", "ghost", False),
     "auto": ("dpcompile", "auto", False),
+    "bk:cg": ("dpcompile", "bk", False),
+    "ghost:cg": ("dpcompile", "ghost", False),
     "opacus:ghost": ("opacus16", "ghost", False),
     "opacus:ghost_fsdp": ("opacus16", "ghost_fsdp", True),
     "fork:flash_bk": ("fork", "flash_bk", False),
     "fork:ghost_bk": ("fork", "ghost_bk", False),
     "fork:flash_fsdp_bk": ("fork", "flash_fsdp_bk", True),
 }
-NONPRIVATE = ("nonprivate", "nonprivate_eager")
+NONPRIVATE = ("nonprivate", "nonprivate:cg", "nonprivate_eager")
+# replayed as CUDA graphs: torch.compile(mode="reduce-overhead") / private_step(cudagraphs=True)
+CUDA_GRAPHS = ("nonprivate:cg", "bk:cg", "ghost:cg")
 DEFAULT_SHAPES = "gpt:8x1024,gpt:32x256,gpt:2x4096,llama:2x1024"
 MODEL_DIMS = {  # keyword arguments of the model classes below
     "gpt": dict(vocab=50257, d=768, layers=12, heads=12),  # GPT-2 small
@@ -198,9 +207,12 @@ def torch_step(spec: dict, model, x, y, device):
         import dpcompile
 
         fn = dpcompile.private_step(train_step, max_grad_norm=1.0, noise_multiplier=1.0,
-                                    expected_batch_size=spec["B"] * world, schedule=how)
+                                    expected_batch_size=spec["B"] * world, schedule=how,
+                                    cudagraphs=spec["mode"] in CUDA_GRAPHS)
+    elif how == "compiled":
+        fn = torch.compile(train_step, mode="reduce-overhead" if spec["mode"] in CUDA_GRAPHS else None)
     else:
-        fn = torch.compile(train_step) if how == "compiled" else train_step
+        fn = train_step
 
     def step():
         loss = fn(x, y)
@@ -295,7 +307,10 @@ def measure(spec: dict, device) -> dict:
             first_loss = loss_value(loss)
     sync()
     warm_s = time.perf_counter() - t0
-    if device.type == "cuda":
+    graphs = spec["mode"] in CUDA_GRAPHS
+    if device.type == "cuda" and not graphs:
+        # CUDA graphs allocate their memory pool while capturing, in the warm-up: a peak of the timed
+        # replays alone would miss it, so those modes keep the peak of the whole run (compile included)
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(spec["iters"]):
@@ -310,8 +325,9 @@ def measure(spec: dict, device) -> dict:
     snapshot = memory_snapshot(spec, step, device) if spec.get("memory_snapshots") else None
     return {"status": "ok", "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": peak, "compile_and_warmup_s": warm_s, "setup_s": setup_s,
-            "first_loss": first_loss, "loss": loss_value(loss),
+            "first_loss": first_loss, "loss": loss_value(loss), "peak_includes_warmup": graphs,
             "params": sum(p.numel() for p in model.parameters()), "compile_phases": compile_phases(),
+            "inductor_kernels": inductor_kernels(),
             "memory_snapshot": snapshot}
 
 
@@ -335,6 +351,16 @@ def memory_snapshot(spec: dict, step, device) -> str | None:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     return path
+
+
+def inductor_kernels() -> int | None:
+    """Kernels Inductor generated in this process (all graphs of the step, forward and backward): an A/B of a
+    fusion setting that changes this changed the generated code."""
+    try:
+        from torch._inductor import metrics
+    except ImportError:
+        return None
+    return int(metrics.generated_kernel_count)
 
 
 def compile_phases(top: int = 16) -> dict:
@@ -378,6 +404,14 @@ def worker(spec: dict) -> int:
     if cuda:
         torch.cuda.set_device(device)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls for fp32 (bf16 autocast does not care)
+    import torch._inductor.config as inductor_config
+
+    for key, value in (spec.get("inductor_config") or {}).items():
+        *path, name = key.split(".")
+        obj = inductor_config
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, name, value)
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "ranks": int(os.environ.get("WORLD_SIZE", 1))}
     try:
@@ -403,6 +437,24 @@ def parse_shape(text: str) -> tuple[str, int, int]:
     if model not in MODEL_DIMS or not (b.isdigit() and t.isdigit()):
         raise ValueError(f"shape {text!r}: expected MODEL:BxT with MODEL one of {sorted(MODEL_DIMS)}")
     return model, int(b), int(t)
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    """KEY=VALUE of --inductor-config: KEY an attribute path of torch._inductor.config, VALUE a Python literal."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    key, eq, value = text.partition("=")
+    obj = inductor_config
+    for part in key.split(".")[:-1]:
+        obj = getattr(obj, part, None)
+    if not eq or obj is None or not hasattr(obj, key.split(".")[-1]):
+        raise ValueError(f"--inductor-config {text!r}: expected KEY=VALUE with KEY a torch._inductor.config setting")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError) as exc:
+        raise ValueError(f"--inductor-config {text!r}: VALUE must be a Python literal ({exc})") from None
 
 
 def distributed(spec: dict) -> bool:
@@ -561,6 +613,8 @@ def skip_reason(spec: dict, *, nproc: int) -> str | None:
         return "no --fork-path"
     if distributed and nproc < 2:
         return f"needs 2+ ranks (--nproc {nproc})"
+    if spec["mode"] in CUDA_GRAPHS and spec["tiny"]:
+        return "CUDA graphs need a GPU (--tiny runs on the CPU)"
     return None
 
 
@@ -761,7 +815,7 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
     SIGINT or SIGHUP stopped the run, its number (the mode then running ends as a row with status 'stopped')."""
     specs = [dict(model=m, B=b, T=t, dtype=dt, mode=mode, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
-                  llama_tied=args.llama_tied,
+                  llama_tied=args.llama_tied, inductor_config=args.inductor_config,
                   memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None)
              for (m, b, t) in args.shapes for dt in args.dtypes for mode in args.modes]
     results: list[dict] = []
@@ -822,6 +876,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-snapshots", default=None, metavar="DIR",
                     help="CUDA: after the timed steps, one more step recorded as a memory snapshot pickle in DIR "
                          "(what is alive at the peak, and where it was allocated)")
+    ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config.KEY (a Python literal) in every child before it compiles, for "
+                         "A/B runs of an Inductor setting; recorded in each row (repeatable)")
     ap.add_argument("--out", default=None,
                     help="JSON of all rows, rewritten after every mode (marked partial until the last)")
     ap.add_argument("--plot", default=None, help="bar chart PNG of the time ratios")
@@ -851,6 +908,10 @@ def main(argv=None) -> int:
         args.modes = args.modes.split(",")
         for bad in [m for m in args.modes if m not in MODES] + [d for d in args.dtypes if d not in ("fp32", "bf16")]:
             ap.error(f"unknown mode or dtype {bad!r}")
+        try:
+            args.inductor_config = dict(parse_setting(kv) for kv in args.inductor_config)
+        except ValueError as exc:
+            ap.error(str(exc))
         args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3)
         args.iters = args.iters if args.iters is not None else (3 if args.tiny else 10)
         if args.iters < 1 or args.warmup < 0:

@@ -459,6 +459,13 @@ class DPBackend:
                 # pad_mm pads and re-slices contractions in the joint graph; the
                 # per-sample norms are cheaper on the unpadded ones
                 "shape_padding": False,
+                # Inductor tries to fuse each node with up to 64 others reading the same buffer; DP graphs
+                # have buffers read by one kernel per parameter (noise seeds, loss tangent, noise gate,
+                # clip coefficients), which made fusion a third of the backward's compile. 16 generated
+                # the same 721 kernels for GPT-2-small bf16 on an H100 with the scheduler's 24.3 s -> 14.8 s
+                # (BENCHMARKS.md, "Where the compile time goes")
+                "max_fusion_buffer_group_pairwise_attempts":
+                    min(16, torch._inductor.config.max_fusion_buffer_group_pairwise_attempts),
                 **cudagraphs,
             }, **inner)
         n_seeds = len(inputs)

@@ -403,9 +403,15 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         return gm
     with graph.inserting_before(out):
         b.meta_source = None
-        total = per_param[0]
-        for sq in per_param[1:]:
-            total = b.call(aten.add.Tensor, total, sq)
+        # One reduction over the stacked [P, B] squared norms, not a chain of adds: Inductor inlines a
+        # chain of pointwise adds into one node that reads every norm, and on CUDA it fused that node
+        # with one (early) norm reduction; the fused node then depended on every norm, so the scheduler
+        # ran the whole input-gradient chain before any norm contraction and every layer's norm operands
+        # stayed alive (ghost, GPT-2-small bf16 on an H100: +1.5 GiB; BENCHMARKS.md "What holds ghost's
+        # extra memory"). A sum over the stacked dim is a reduction of another shape: it fuses with none.
+        total = per_param[0] if len(per_param) == 1 else \
+            b.call(aten.sum.dim_IntList, b.call(aten.cat.default, [b.call(aten.unsqueeze.default, sq, 0)
+                                                                  for sq in per_param]), [0])
         loss = ctx.loss
         t = b.f32(loss.tangent)
         at = b.call(aten.abs.default, t)

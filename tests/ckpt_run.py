@@ -1,17 +1,20 @@
 """A small private training run that checkpoints and resumes (tests/test_checkpoint.py).
 
-    python tests/ckpt_run.py DIR STEPS [--die-saving-at T]
+    python tests/ckpt_run.py DIR STEPS [--die-saving-at T] [--hold-after T]
 
 Trains a GPT on Poisson batches (micro-batches of at most 3, accumulated), Adam, noise on, the
 accountant stepped once per logical step, a checkpoint every 2 steps in DIR/ckpt; resumes from the
 newest checkpoint there. Prints "step t" after each logical step; at the end writes DIR/final.pt
 (parameters, epsilon, noise stream position). ``--die-saving-at T`` kills the process (os._exit) in
 the middle of the save of step T, after the model files are written and before the commit.
+``--hold-after T`` stops after printing "step T" and waits to be killed: a SIGKILL sent on that line
+lands there, however slow the reader (on a loaded 2-core machine the run went on into step T+1's save).
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -23,7 +26,7 @@ import models as M  # noqa: E402
 N, RATE, SEED = 40, 0.2, 7
 
 
-def train(directory, steps, mesh=None, die_saving_at=None, log=print, compiler="inductor"):
+def train(directory, steps, mesh=None, die_saving_at=None, log=print, compiler="inductor", hold_after=None):
     torch.manual_seed(0)
     model = M.GPT(d=8, n_head=2, n_layer=1)
     rank, world = 0, 1
@@ -74,6 +77,9 @@ def train(directory, steps, mesh=None, die_saving_at=None, log=print, compiler="
             accountant.step()
             t += 1
             log(f"step {t}")
+            if t == hold_after:
+                while True:
+                    time.sleep(60)
             if t % 2 == 0:
                 ckpt.save(t, extra={"at": t})
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -85,6 +91,7 @@ def train(directory, steps, mesh=None, die_saving_at=None, log=print, compiler="
 if __name__ == "__main__":
     torch.set_num_threads(1)  # the same float sums in every run
     directory, steps = sys.argv[1], int(sys.argv[2])
-    die = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "--die-saving-at" else None
-    out = train(directory, steps, die_saving_at=die, log=lambda s: print(s, flush=True))
+    opts = dict(zip(sys.argv[3::2], (int(v) for v in sys.argv[4::2])))
+    out = train(directory, steps, die_saving_at=opts.get("--die-saving-at"), hold_after=opts.get("--hold-after"),
+                log=lambda s: print(s, flush=True))
     torch.save(out, os.path.join(directory, "final.pt"))

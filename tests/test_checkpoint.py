@@ -37,9 +37,9 @@ def test_killed_run_resumes_like_an_uninterrupted_one(tmp_path):
     final parameters, epsilon and noise stream position equal those of a run that never stopped (no step
     counted twice, no noise draw replayed for another gradient, none skipped)."""
     whole = _start(tmp_path / "whole", 8)  # beside the killed run: 2 cores
-    killed = _start(tmp_path / "killed", 8)
+    killed = _start(tmp_path / "killed", 8, "--hold-after", "3")
     seen = []
-    for line in killed.stdout:  # SIGKILL as soon as step 3 is done (the step-2 checkpoint is committed)
+    for line in killed.stdout:  # SIGKILL once step 3 is done (the step-2 checkpoint is committed), where it waits
         seen.append(line)
         if line.startswith("step 3"):
             killed.send_signal(signal.SIGKILL)

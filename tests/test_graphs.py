@@ -56,6 +56,17 @@ mm [3, 7]
 mm [7, 5]""")
         self.assertEqual(rec.counters["ghost_recomputed_params"], 4)
 
+    def test_squared_norms_are_summed_in_one_reduction(self):
+        # not a chain of [B] adds: Inductor inlines such a chain into one node that reads every norm, and
+        # on CUDA fused it with an early norm reduction, which ran every norm contraction after the whole
+        # input-gradient chain (ghost's peak memory, BENCHMARKS.md)
+        for schedule in ("bk", "ghost"):
+            rec = mlp_backward(schedule)
+            ops = [(op.split(".")[1], list(shape)) for op, shape in rec.ops["backward"]]
+            before_sqrt = ops[:[name for name, _ in ops].index("sqrt")]
+            self.assertEqual([o for o in before_sqrt if o[0] == "cat"], [("cat", [4, 4])], schedule)
+            self.assertNotIn(("add", [4]), before_sqrt, schedule)
+
     def test_noise_is_drawn_in_the_backward_once_per_parameter(self):
         torch._dynamo.reset()
         model = M.MLP()

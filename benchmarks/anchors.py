@@ -404,14 +404,8 @@ def worker(spec: dict) -> int:
     if cuda:
         torch.cuda.set_device(device)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls for fp32 (bf16 autocast does not care)
-    import torch._inductor.config as inductor_config
-
     for key, value in (spec.get("inductor_config") or {}).items():
-        *path, name = key.split(".")
-        obj = inductor_config
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, name, value)
+        setattr(*inductor_setting(key), value)
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "ranks": int(os.environ.get("WORLD_SIZE", 1))}
     try:
@@ -439,17 +433,25 @@ def parse_shape(text: str) -> tuple[str, int, int]:
     return model, int(b), int(t)
 
 
+def inductor_setting(key: str) -> tuple[object, str]:
+    """(the config object holding it, its name) for an attribute path of torch._inductor.config, e.g.
+    triton.cudagraphs; (None, name) when the path does not lead to a config object."""
+    import torch._inductor.config as inductor_config
+
+    *path, name = key.split(".")
+    obj = inductor_config
+    for part in path:
+        obj = getattr(obj, part, None)
+    return obj, name
+
+
 def parse_setting(text: str) -> tuple[str, object]:
     """KEY=VALUE of --inductor-config: KEY an attribute path of torch._inductor.config, VALUE a Python literal."""
     import ast
 
-    import torch._inductor.config as inductor_config
-
     key, eq, value = text.partition("=")
-    obj = inductor_config
-    for part in key.split(".")[:-1]:
-        obj = getattr(obj, part, None)
-    if not eq or obj is None or not hasattr(obj, key.split(".")[-1]):
+    obj, name = inductor_setting(key)
+    if not eq or obj is None or not hasattr(obj, name):
         raise ValueError(f"--inductor-config {text!r}: expected KEY=VALUE with KEY a torch._inductor.config setting")
     try:
         return key, ast.literal_eval(value)

@@ -90,8 +90,8 @@ def analyse(path: str, top: int, copy_to: str | None = None) -> None:
         print(f"{sum(sum(s) for _, s in rest) / 2**20:9.1f} {sum(len(s) for _, s in rest):6d}  "
               f"({len(rest)} more sites)")
     files = collections.Counter()
-    for e in alive.values():
-        files[site(e.get("frames", []))[0].split(":")[0]] += e["size"]
+    for (where, _), sizes in rows:
+        files[where.split(":")[0]] += sum(sizes)
     print("by module: " + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in files.most_common(6)))
     if copy_to:  # the generated modules that allocated what is alive at the peak: to read them elsewhere
         import shutil

@@ -15,11 +15,16 @@ from helpers import compile_step
 KEEP = {"mm", "bmm", "sqrt", "clamp_max", "inductor_random"}
 
 
+def op_short(target: str) -> str:
+    """aten.mm.default -> mm."""
+    return target.split(".")[1] if target.count(".") >= 2 else target
+
+
 def op_trace(ops) -> str:
     """The backward's contractions and norm milestones, in order, with shapes."""
     lines = []
     for target, shape in ops:
-        name = target.split(".")[1] if target.count(".") >= 2 else target
+        name = op_short(target)
         if name in KEEP:
             lines.append(f"{name} {list(shape)}")
     return "\n".join(lines)
@@ -62,7 +67,7 @@ mm [7, 5]""")
         # input-gradient chain (ghost's peak memory, BENCHMARKS.md)
         for schedule in ("bk", "ghost"):
             rec = mlp_backward(schedule)
-            ops = [(op.split(".")[1], list(shape)) for op, shape in rec.ops["backward"]]
+            ops = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]]
             before_sqrt = ops[:[name for name, _ in ops].index("sqrt")]
             self.assertEqual([o for o in before_sqrt if o[0] == "cat"], [("cat", [4, 4])], schedule)
             self.assertNotIn(("add", [4]), before_sqrt, schedule)

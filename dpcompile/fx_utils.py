@@ -187,6 +187,17 @@ class GraphBuilder:
         return node
 
     # -- conveniences -------------------------------------------------------
+    def stored(self, x: fx.Node) -> fx.Node:
+        """x written to a buffer of its own, not inlined into its readers.
+
+        Inductor inlines a pointwise value into every reader, and stores a reader whose inlined reads or ops
+        grow past its limits (``realize_acc_reads_threshold``, ``realize_opcount_threshold``) in that
+        reader's own dtype and size. A small value that many ops went into (the clip coefficients, a
+        per-sample scaled loss tangent) is best stored once: its readers stay small. A stride requirement
+        makes Inductor store its input; eagerly it returns x itself (the strides are x's own).
+        """
+        return self.call(torch.ops.prims.inductor_force_stride_order.default, x, tuple(x.meta["val"].stride()))
+
     def f32(self, x: fx.Node) -> fx.Node:
         if x.meta["val"].dtype == torch.float32:
             return x

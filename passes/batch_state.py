@@ -69,6 +69,20 @@ class Contribution:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
+def bytes_at_expected_batch(node: fx.Node, states: dict, B: Any, expected_batch_size: int | None) -> int | None:
+    """Bytes node's value holds when the batch has expected_batch_size samples (its size per sample times
+    that; a value without a sample dim: its size). Never from this rank's B, so every rank takes the same
+    decisions. None when a size is symbolic beyond the batch (or data-dependent)."""
+    v = node.meta["val"]
+    try:
+        if not isinstance(states.get(node), Batched):
+            return int(v.numel()) * v.element_size()
+        per_sample = 0 if known(B == 0) else int(v.numel() // B)
+    except Exception:
+        return None
+    return per_sample * int(expected_batch_size or 1) * v.element_size()
+
+
 def is_zero_constant(a: Any) -> bool:
     if isinstance(a, (int, float)) and not isinstance(a, bool):
         return a == 0

@@ -23,7 +23,7 @@ import torch.fx as fx
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import GraphBuilder, known, module_of, op_name
 
-from .batch_state import FREE, Batched, Contribution
+from .batch_state import FREE, Batched, Contribution, bytes_at_expected_batch
 from .context import DPPassContext
 
 aten = torch.ops.aten
@@ -234,6 +234,24 @@ def _is_mask_of(u: fx.Node, src: fx.Node) -> bool:
     return u.target is aten.where.self and len(u.args) > 1 and u.args[1] is src
 
 
+# A scaled tangent up to this size is stored (see _small); 16 MiB: a [B, T] per-token tangent at any batch
+SCALED_TANGENT_STORE_MAX_BYTES = 16 << 20
+
+
+def _small(node: fx.Node, ctx: DPPassContext) -> bool:
+    """Whether the row-scaled copy of node (a tangent-derived value) is small enough to store in a buffer.
+
+    Where the scaled tangent is small (the loss tangent per sample or per token) and its readers are large
+    (the softmax backward over the vocabulary), Inductor inlines r, the dropped-sample mask and the tangent
+    into the large reader, whose reads then pass its limit: it is stored in fp32, a logits-sized buffer the
+    non-private step never holds (GPT-2-small bf16 8x1024, H100: +1.5 GiB). Stored, the reader inlines into
+    its bf16 consumer as in the first backward. A large scaled tangent stays inlined: storing it would be
+    a buffer of that size.
+    """
+    nbytes = bytes_at_expected_batch(node, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
+    return nbytes is not None and nbytes <= SCALED_TANGENT_STORE_MAX_BYTES
+
+
 def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[fx.Node], keep=None) -> None:
     """Copies the backward with the loss tangent scaled per sample.
 
@@ -288,6 +306,9 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
                 batched_t = [a for a in node.all_input_nodes if a in tdep and isinstance(states.get(a), Batched)]
                 if not batched_t:
                     new = row_scale(b, graph.node_copy(node, arg_of), st, r, B, keep)
+                    if _small(node, ctx):  # the original: its sample layout is known
+                        new = b.stored(new)
+                        ctx.counters["ghost_scaled_tangents_stored"] += 1
                     clean.add(new)
                 elif isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
                     ov = node.meta["val"]

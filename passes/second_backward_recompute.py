@@ -24,9 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dpcompile.fx_utils import known
-
-from .batch_state import Batched
+from .batch_state import bytes_at_expected_batch
 from .context import DPPassContext
 
 aten = torch.ops.aten
@@ -36,15 +34,7 @@ RECOMPUTE_MIN_RATIO = 8
 
 
 def _bytes_at_expected_batch(node: fx.Node, ctx: DPPassContext) -> int | None:
-    v = node.meta["val"]
-    B = ctx.batch_size
-    try:
-        if not isinstance(ctx.states.get(node), Batched):
-            return int(v.numel()) * v.element_size()
-        per_sample = 0 if known(B == 0) else int(v.numel() // B)
-    except Exception:  # a size symbolic beyond the batch (or data-dependent): not a candidate
-        return None
-    return per_sample * int(ctx.config.expected_batch_size or 1) * v.element_size()
+    return bytes_at_expected_batch(node, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
 
 
 def _pointwise_or_view(n: fx.Node) -> bool:

@@ -28,6 +28,7 @@ from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
+from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.step_split import Split, describe_split, split_error_text
 
 SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
@@ -202,6 +203,9 @@ class DPPartitioner(CustomPartitionerFn):
         # must issue the same collectives.
         with torch._functorch.config.patch(cse=False):
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        # what CSE would have merged among the saved values (no_aliased_donations: why it matters)
+        merge_identical_saved_values(fw, bw, kwargs["num_fwd_outputs"], ctx.counters)
+        self.record.counters = dict(ctx.counters)
         self._dump("forward", fw)
         self._dump("backward", bw)
         self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))
@@ -453,7 +457,10 @@ class DPBackend:
         part = DPPartitioner(self, record, dumper, split)
         # no AOTAutograd cache: a hit would skip the partitioner (the dp passes, the record of what they
         # did); Inductor's FX graph cache below it still serves the generated code (DPPartitioner.uuid)
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        def not_donated(n: int) -> None:
+            record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
+
+        with torch._functorch.config.patch(enable_autograd_cache=False), no_aliased_donations(not_donated):
             compiled = compile_fx(gm, [*example_inputs, seeds_example, counter, gate_on], config_patches={
                 "custom_partitioner_fn": part,
                 # pad_mm pads and re-slices contractions in the joint graph; the

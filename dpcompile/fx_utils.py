@@ -192,8 +192,8 @@ class GraphBuilder:
 
         Inductor inlines a pointwise value into every reader, and stores a reader whose inlined reads or ops
         grow past its limits (``realize_acc_reads_threshold``, ``realize_opcount_threshold``) in that
-        reader's own dtype and size. A small value that many ops went into (the clip coefficients, a
-        per-sample scaled loss tangent) is best stored once: its readers stay small. A stride requirement
+        reader's own dtype and size. A small value that many ops went into (a per-sample scaled loss
+        tangent) is best stored once: its readers stay small. A stride requirement
         makes Inductor store its input; eagerly it returns x itself (the strides are x's own).
         """
         return self.call(torch.ops.prims.inductor_force_stride_order.default, x, tuple(x.meta["val"].stride()))

@@ -427,8 +427,6 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         keep = b.call(aten.lt.Scalar, norms, float("inf"))  # norms >= 0: False for inf and NaN
         coef = b.call(aten.where.self, keep, coef, b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32))
         r = b.call(aten.mul.Tensor, b.call(aten.mul.Tensor, coef, loss.M), loss.k)  # M may be symbolic
-        # stored once: each gradient-scaling kernel reads two [B] vectors, not the ~15 ops that make them
-        r, keep = b.stored(r), b.stored(keep)
     ctx.per_sample_norms = norms
     ctx.clip_coef = coef
     ctx.keep_rows = keep

@@ -197,7 +197,6 @@ class DPPartitioner(CustomPartitionerFn):
             "added": len(after - set(before)),
             "removed": removed,
         }
-        self.record.counters = dict(ctx.counters)
         # No CSE in the partitioner: it would merge identical collectives (a rank
         # with no samples has many identical zero gradients), and every rank
         # must issue the same collectives.

@@ -323,12 +323,13 @@ def measure(spec: dict, device) -> dict:
             first_loss = loss_value(loss)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     snapshot = memory_snapshot(spec, step, device) if spec.get("memory_snapshots") else None
+    kernels = kernel_profile(spec, step, device) if spec.get("kernel_profile") else None
     return {"status": "ok", "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": peak, "compile_and_warmup_s": warm_s, "setup_s": setup_s,
             "first_loss": first_loss, "loss": loss_value(loss), "peak_includes_warmup": graphs,
             "params": sum(p.numel() for p in model.parameters()), "compile_phases": compile_phases(),
             "inductor_kernels": inductor_kernels(),
-            "memory_snapshot": snapshot}
+            "memory_snapshot": snapshot, "kernel_profile": kernels}
 
 
 def memory_snapshot(spec: dict, step, device) -> str | None:
@@ -350,6 +351,38 @@ def memory_snapshot(spec: dict, step, device) -> str | None:
         torch.cuda.memory._dump_snapshot(path)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+    return path
+
+
+def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
+    """One more step under torch.profiler: every GPU kernel's count and GPU time, summed by name, largest
+    first, as JSON in DIR (where a step's time goes, to compare across modes by kernel name). Under CUDA
+    graphs the kernels of a replay are seen too. None on CPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return None
+    os.makedirs(spec["kernel_profile"], exist_ok=True)
+    stem = f"{spec['model']}_{spec['B']}x{spec['T']}_{spec['dtype']}_{spec['mode'].replace(':', '-')}"
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total / 1e3  # us -> ms
+    rows = sorted(([n, c, round(ms, 4)] for n, (c, ms) in kernels.items()), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    path = os.path.join(spec["kernel_profile"], stem + ".json")
+    with open(path, "w") as f:
+        json.dump({"gpu_ms": round(total, 3), "launches": sum(r[1] for r in rows), "kernels": rows}, f, indent=0)
+    prof.export_chrome_trace(os.path.join(spec["kernel_profile"], stem + "_trace.json"))
+    print(f"kernel profile {stem}: {len(rows)} kernels, {sum(r[1] for r in rows)} launches, "
+          f"{total:.1f} ms GPU; top: " + "; ".join(f"{r[0][:60]} x{r[1]} {r[2]:.2f}" for r in rows[:top // 4]))
     return path
 
 
@@ -818,7 +851,8 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
     specs = [dict(model=m, B=b, T=t, dtype=dt, mode=mode, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
                   llama_tied=args.llama_tied, inductor_config=args.inductor_config,
-                  memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None)
+                  memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None,
+                  kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None)
              for (m, b, t) in args.shapes for dt in args.dtypes for mode in args.modes]
     results: list[dict] = []
     stopped = None
@@ -878,6 +912,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-snapshots", default=None, metavar="DIR",
                     help="CUDA: after the timed steps, one more step recorded as a memory snapshot pickle in DIR "
                          "(what is alive at the peak, and where it was allocated)")
+    ap.add_argument("--kernel-profile", default=None, metavar="DIR",
+                    help="CUDA: one more step under torch.profiler; every GPU kernel's count and time as JSON in DIR, "
+                         "and a Chrome trace")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config.KEY (a Python literal) in every child before it compiles, for "
                          "A/B runs of an Inductor setting; recorded in each row (repeatable)")

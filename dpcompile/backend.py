@@ -20,6 +20,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcompile.accumulation import accumulating
 from dpcompile.batching import require_unbacked_batch
+from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compat import guard_empty_y_grid, hf_expand_position_ids, hint_mix_order_split
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
@@ -28,6 +29,7 @@ from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
+from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.step_split import Split, describe_split, split_error_text
 
@@ -204,7 +206,10 @@ class DPPartitioner(CustomPartitionerFn):
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         # what CSE would have merged among the saved values (no_aliased_donations: why it matters)
         merge_identical_saved_values(fw, bw, kwargs["num_fwd_outputs"], ctx.counters)
+        # ghost: the second backward's own copies of the pointwise values both backwards read
+        copy_shared_values_into_second_backward(bw, ctx.counters)
         self.record.counters = dict(ctx.counters)
+        count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)  # Inductor's planning of bw adds buffer_reuses_refused
         self._dump("forward", fw)
         self._dump("backward", bw)
         self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))
@@ -431,6 +436,7 @@ class DPBackend:
             require_unbacked_batch(gm, inputs)
         guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
         hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
+        install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second
         self.noise.rank = _noise_rank(example_inputs)
         record = CompiledStep(compile_id, inputs)
         self.compiled.append(record)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile.buffer_reuse import mark_second_backward
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import GraphBuilder, known, module_of, op_name
 
@@ -271,6 +272,7 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
     # buffer instead of each masking a copy of a logits-sized operand
     clean: set[fx.Node] = set()
     needed = [pg for pg in ctx.decompositions.values() if any(c.node in recompute_nodes for c, _ in pg.terms)]
+    before = set(graph.nodes)
 
     def arg_of(a):
         return env.get(a, a)
@@ -325,6 +327,9 @@ def _second_backward(gm, ctx, b: GraphBuilder, out, r, B, recompute_nodes: set[f
             new.meta["dpcompile"] = True
             env[node] = new
         ctx.second_backward.update(env)
+        for n in graph.nodes:
+            if n not in before:
+                mark_second_backward(n)  # Inductor holds none of the first backward's buffers for these
         for pg in needed:
             _replace_output(out, pg.param.grad_output_index, env[pg.grad_node])
             ctx.counters["ghost_recomputed_params"] += 1

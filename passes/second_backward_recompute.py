@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from dpcompile.buffer_reuse import mark_second_backward
+
 from .batch_state import bytes_at_expected_batch
 from .context import DPPassContext
 
@@ -105,6 +107,7 @@ def second_backward_recompute_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx
                 again.meta = dict(n.meta)
                 again.meta["partitioner_tag"] = "must_be_in_backward"
                 again.meta["dpcompile"] = True
+                mark_second_backward(again)
                 again.meta.pop("recompute", None)
                 done[n] = again
         for u in users:

@@ -356,8 +356,9 @@ def memory_snapshot(spec: dict, step, device) -> str | None:
 
 def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
     """One more step under torch.profiler: every GPU kernel's count and GPU time, summed by name, largest
-    first, as JSON in DIR (where a step's time goes, to compare across modes by kernel name). Under CUDA
-    graphs the kernels of a replay are seen too. None on CPU."""
+    first, as JSON in DIR (where a step's time goes, to compare across modes by kernel name; one small file
+    per mode: the device machine returns few files, so no Chrome trace). Under CUDA graphs the kernels of a
+    replay are seen too. None on CPU."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -380,7 +381,6 @@ def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
     path = os.path.join(spec["kernel_profile"], stem + ".json")
     with open(path, "w") as f:
         json.dump({"gpu_ms": round(total, 3), "launches": sum(r[1] for r in rows), "kernels": rows}, f, indent=0)
-    prof.export_chrome_trace(os.path.join(spec["kernel_profile"], stem + "_trace.json"))
     print(f"kernel profile {stem}: {len(rows)} kernels, {sum(r[1] for r in rows)} launches, "
           f"{total:.1f} ms GPU; top: " + "; ".join(f"{r[0][:60]} x{r[1]} {r[2]:.2f}" for r in rows[:top // 4]))
     return path
@@ -913,8 +913,7 @@ def main(argv=None) -> int:
                     help="CUDA: after the timed steps, one more step recorded as a memory snapshot pickle in DIR "
                          "(what is alive at the peak, and where it was allocated)")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR",
-                    help="CUDA: one more step under torch.profiler; every GPU kernel's count and time as JSON in DIR, "
-                         "and a Chrome trace")
+                    help="CUDA: one more step under torch.profiler; every GPU kernel's count and time as JSON in DIR")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config.KEY (a Python literal) in every child before it compiles, for "
                          "A/B runs of an Inductor setting; recorded in each row (repeatable)")

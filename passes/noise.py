@@ -6,8 +6,16 @@ own seed (one entry of the step's seeds input, derived on the host from
 draw per step and draws never repeat across steps or parameters. The noise is
 scaled by the loss tangent t like the rest of the gradient (t = 1 for
 loss.backward(); a gradient scaler's factor otherwise).
+
+The noise is added to all the gradients by one ``_foreach_add`` (per
+device): Inductor lowers it to one horizontal kernel for all parameters (a
+few, where its argument limit splits them) with each parameter's draw
+inlined, instead of one kernel per parameter after its weight-gradient
+GEMM: 149 launches per step on GPT-2-small.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -37,6 +45,7 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         if ctx.noise_gate_input_index is not None:  # 0 inside dpcompile.accumulate(): noise once per logical batch
             gate = graph.find_nodes(op="placeholder")[ctx.noise_gate_input_index]
             scale = b.call(aten.mul.Tensor, scale, gate)
+        by_device: dict[torch.device, list[tuple[int, fx.Node, fx.Node]]] = {}
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
             g = outs[i]
@@ -50,8 +59,13 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             z = b.call(aten.mul.Tensor, z, scale)
             if gv.dtype != torch.float32:
                 z = b.call(prims.convert_element_type.default, z, gv.dtype)
-            outs[i] = b.call(aten.add.Tensor, g, z)
+            by_device.setdefault(gv.device, []).append((i, g, z))
             ctx.counters["noise_added"] += 1
+        for group in by_device.values():
+            noisy = b.call(aten._foreach_add.List, [g for _, g, _ in group], [z for _, _, z in group])
+            for j, (i, _, _) in enumerate(group):
+                outs[i] = b.call(operator.getitem, noisy, j)
+            ctx.counters["noise_foreach_adds"] += 1
     out.args = (tuple(outs),) + tuple(out.args[1:])
     ctx.summary["noise"] = f"N(0, ({sigma} * {ctx.config.max_grad_norm})^2) * {ctx.loss.k:g} on each coordinate"
     return gm

@@ -92,6 +92,10 @@ inductor_random [3]""")
         self.assertNotIn("inductor_lookup_seed", rec.graphs["forward"])
         self.assertEqual(sum(op == "prims.inductor_lookup_seed.default" for op, _ in rec.ops["backward"]), 4)
         self.assertEqual(rec.counters["noise_added"], 4)
+        # added to all four gradients by one foreach op: one horizontal kernel, not one per parameter
+        self.assertEqual(rec.counters["noise_foreach_adds"], 1)
+        self.assertEqual(sum(op == "aten._foreach_add.List" for op, _ in rec.ops["backward"]), 1)
+        self.assertNotIn("aten.add.Tensor", [op for op, _ in rec.ops["backward"]][-8:])
         # no dump asked for: the graph after each pass is not printed (seconds per compile at GPT-2 size)
         self.assertEqual(sorted(rec.graphs), ["backward", "dynamo", "forward", "joint_graph_after_dp",
                                               "joint_graph_before_dp"])

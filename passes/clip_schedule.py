@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from dpcompile.buffer_reuse import mark_second_backward
 from dpcompile.errors import DPCompileError
-from dpcompile.fx_utils import GraphBuilder, known, module_of, op_name
+from dpcompile.fx_utils import GraphBuilder, module_of, op_name
 
 from .batch_state import FREE, Batched, Contribution, bytes_at_expected_batch
 from .context import DPPassContext
@@ -93,20 +93,12 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
 
 
 def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
-    """Bytes the deferred operand holds at the expected batch size.
-
-    Counted per sample and scaled by expected_batch_size, never from this
-    rank's sampled B: every rank must take the same decisions (and so issue
-    the same collectives in the same order) whatever its batch size.
-    """
+    """Bytes the deferred operand holds at the expected batch size (never from this rank's sampled B: every
+    rank must take the same decisions, and so issue the same collectives in the same order). A size
+    symbolic beyond the batch never fits a budget."""
     op = c.node.args[c.scaled_operand] if c.kind in ("mm", "sum", "embedding_backward") else c.extra["values"]
-    v = op.meta["val"]
-    B = ctx.batch_size
-    try:
-        per_sample = int(v.numel() // B) if not known(B == 0) else 0
-    except TypeError:
-        return 1 << 62
-    return per_sample * (ctx.config.expected_batch_size or 1) * v.element_size()
+    nbytes = bytes_at_expected_batch(op, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
+    return 1 << 62 if nbytes is None else nbytes
 
 
 def choose_deferred(ctx: DPPassContext) -> set[Contribution]:

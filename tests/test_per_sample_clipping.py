@@ -41,6 +41,27 @@ def test_auto_schedule_mixes_bk_and_ghost(case):
     assert counters["bk_deferred_contractions"] > 0 and counters["ghost_recomputed_params"] > 0, counters
 
 
+def test_auto_schedule_choice_does_not_follow_the_sampled_batch():
+    """auto counts a deferred operand's bytes at expected_batch_size, so every rank (and every step of a
+    Poisson-sampled run) chooses the same contractions to defer whatever its own batch size."""
+    import torch
+
+    from helpers import compile_step
+
+    c = CASES["gpt"]
+    chosen = []
+    for n in (2, 6):
+        torch._dynamo.reset()
+        inputs, targets = c.data(n)
+        step, backend = compile_step(c.model(), c.loss, max_grad_norm=1.0, noise_multiplier=0.0,
+                                     expected_batch_size=4, schedule="auto", memory_budget=2000, compiler="eager")
+        step(inputs, targets)
+        counters = backend.compiled[0].counters
+        chosen.append((counters["bk_deferred_contractions"], counters["ghost_recomputed_params"]))
+    assert chosen[0] == chosen[1], chosen
+    assert chosen[0][0] > 0 and chosen[0][1] > 0, chosen  # the budget fits some operands, not all
+
+
 @pytest.mark.parametrize("algo", ["ghost", "direct"])
 def test_linear_norm_algorithms_agree(algo):
     c = CASES["linear_3d"]

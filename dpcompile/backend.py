@@ -29,8 +29,8 @@ from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
-from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
+from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.step_split import Split, describe_split, split_error_text
 
 SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
@@ -209,7 +209,8 @@ class DPPartitioner(CustomPartitionerFn):
         # ghost: the second backward's own copies of the pointwise values both backwards read
         copy_shared_values_into_second_backward(bw, ctx.counters)
         self.record.counters = dict(ctx.counters)
-        count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)  # Inductor's planning of bw adds buffer_reuses_refused
+        # Inductor's memory planning of bw adds buffer_reuses_refused to them
+        count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)
         self._dump("forward", fw)
         self._dump("backward", bw)
         self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))

@@ -70,6 +70,14 @@ def source_line(node: fx.Node) -> str:
     return lines[-1] if lines else ""
 
 
+def recomputable(node: fx.Node) -> bool:
+    """A pointwise op or a view that draws no random numbers: copying it recomputes the same value."""
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded not in t.tags
+            and (torch.Tag.pointwise in t.tags or bool(t.is_view)))
+
+
 def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 

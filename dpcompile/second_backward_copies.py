@@ -20,18 +20,10 @@ import torch
 import torch.fx as fx
 
 from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD, mark_second_backward
+from dpcompile.fx_utils import recomputable
 
 MAX_CHAIN = 12  # ops per copied chain: longer ones cost more arithmetic than the memory is worth
 MIN_NUMEL = 1 << 16  # smaller values are not worth a recompute
-
-
-def _copyable(n: fx.Node) -> bool:
-    t = n.target
-    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-        return False
-    if torch.Tag.nondeterministic_seeded in t.tags:
-        return False
-    return torch.Tag.pointwise in t.tags or bool(t.is_view)
 
 
 def _numel_hint(n: fx.Node) -> int:
@@ -53,7 +45,7 @@ def _chain(root: fx.Node) -> list[fx.Node] | None:
         n = todo.pop()
         if n in chain or n.op == "placeholder" or not n.all_input_nodes:
             continue  # leaves: saved values, and constants (a full, a scalar_tensor), read where they are
-        if not _copyable(n) or n.meta.get(PHASE_KEY) == SECOND_BACKWARD:
+        if not recomputable(n) or n.meta.get(PHASE_KEY) == SECOND_BACKWARD:
             return None
         chain.add(n)
         if len(chain) > MAX_CHAIN:

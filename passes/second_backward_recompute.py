@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.buffer_reuse import mark_second_backward
+from dpcompile.fx_utils import recomputable
 
 from .batch_state import bytes_at_expected_batch
 from .context import DPPassContext
@@ -37,11 +38,6 @@ RECOMPUTE_MIN_RATIO = 8
 
 def _bytes_at_expected_batch(node: fx.Node, ctx: DPPassContext) -> int | None:
     return bytes_at_expected_batch(node, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
-
-
-def _pointwise_or_view(n: fx.Node) -> bool:
-    t = n.target
-    return isinstance(t, torch._ops.OpOverload) and (torch.Tag.pointwise in t.tags or bool(t.is_view))
 
 
 def _chain(root: fx.Node, ctx: DPPassContext, first: set[fx.Node]) -> list[fx.Node] | None:
@@ -59,7 +55,7 @@ def _chain(root: fx.Node, ctx: DPPassContext, first: set[fx.Node]) -> list[fx.No
             return None
         if n.target in _CONTRACTIONS:
             contraction = True
-        elif not _pointwise_or_view(n):
+        elif not recomputable(n):
             return None
         chain.add(n)
         for a in n.all_input_nodes:

@@ -1,17 +1,23 @@
 """Gaussian noise on each clipped gradient, drawn inside the compiled backward.
 
-Each parameter's noise comes from Inductor's counter-based RNG keyed by its
-own seed (one entry of the step's seeds input, derived on the host from
-(seed, step, parameter index)), so every coordinate gets exactly one fresh
-draw per step and draws never repeat across steps or parameters. The noise is
+Noise comes from Inductor's counter-based RNG (Philox: a seed and each
+coordinate's offset), one seed per draw: an entry of the step's seeds input,
+derived on the host from (seed, step, parameter index, rank), so every
+coordinate gets exactly one fresh draw per step and draws never repeat across
+steps, draws or ranks. The noise is
 scaled by the loss tangent t like the rest of the gradient (t = 1 for
 loss.backward(); a gradient scaler's factor otherwise).
 
-The noise is added to all the gradients by one ``_foreach_add`` (per
-device): Inductor lowers it to one horizontal kernel for all parameters (a
-few, where its argument limit splits them) with each parameter's draw
-inlined, instead of one kernel per parameter after its weight-gradient
-GEMM: 149 launches per step on GPT-2-small.
+Launches: Inductor realizes every ``inductor_random`` as its own kernel, and
+on GPUs it does not fuse a draw into a foreach op that reads it, so one draw
+per parameter is one launch per parameter (149 per step on GPT-2-small,
+measured). Parameters are therefore packed into chunks of at most
+``CHUNK_NUMEL`` coordinates: one flat draw per chunk (keyed by the seed of its
+first parameter), sliced into the chunk's parameters and added by one
+``_foreach_add`` (Inductor's horizontal kernel). A parameter of at least
+``CHUNK_NUMEL`` coordinates keeps its own draw, fused into its add: no flat
+buffer larger than a chunk ever exists, so the noise costs at most one chunk
+of fp32 memory at the end of the step (128 MiB by default).
 """
 from __future__ import annotations
 
@@ -22,14 +28,32 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import GraphBuilder
 
-from .context import DPPassContext
+from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
+# 128 MiB of fp32 draws: GPT-2-small's embedding alone (it is bigger), its 148 other parameters in 3 draws
+CHUNK_NUMEL = 1 << 25
+
+
+def _chunks(group: list[tuple[int, fx.Node, ParamInfo]], chunk_numel: int) -> list[list[tuple[int, fx.Node, ParamInfo]]]:
+    """Consecutive parameters packed while their coordinates fit ``chunk_numel``; a larger one alone."""
+    chunks: list[list[tuple[int, fx.Node, ParamInfo]]] = []
+    filled = chunk_numel
+    for item in group:
+        n = item[1].meta["val"].numel()
+        if n >= chunk_numel or filled + n > chunk_numel:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(item)
+        filled += n
+    return chunks
+
 
 def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """grad += t * k * s * C * N(0, I) for every trainable parameter."""
+    chunk_numel = CHUNK_NUMEL
     sigma = ctx.config.noise_multiplier
     if sigma == 0 or ctx.loss is None or not ctx.decompositions:
         ctx.summary["noise"] = "none (noise_multiplier = 0)"
@@ -45,27 +69,42 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         if ctx.noise_gate_input_index is not None:  # 0 inside dpcompile.accumulate(): noise once per logical batch
             gate = graph.find_nodes(op="placeholder")[ctx.noise_gate_input_index]
             scale = b.call(aten.mul.Tensor, scale, gate)
-        by_device: dict[torch.device, list[tuple[int, fx.Node, fx.Node]]] = {}
+        by_device: dict[torch.device, list[tuple[int, fx.Node, ParamInfo]]] = {}
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
-            g = outs[i]
-            gv = g.meta["val"]
-            seed = b.call(torch.ops.prims.inductor_lookup_seed.default, seeds, pg.param.noise_index)
+            by_device.setdefault(outs[i].meta["val"].device, []).append((i, outs[i], pg.param))
+            ctx.counters["noise_added"] += 1
+
+        def draw(numel: int, param: ParamInfo) -> fx.Node:
+            seed = b.call(prims.inductor_lookup_seed.default, seeds, param.noise_index)
             # it reads only a graph input, so the min-cut would put it in the forward and save its scalar for
             # the backward: one forward node and one saved tensor per parameter, and Inductor's fusion tried
             # every pair of them (they all read the seeds): 23k of a 12-layer GPT forward's 23.5k fusion checks
             seed.meta["partitioner_tag"] = "must_be_in_backward"
-            z = b.call(torch.ops.prims.inductor_random.default, list(gv.shape), seed, "randn")
-            z = b.call(aten.mul.Tensor, z, scale)
-            if gv.dtype != torch.float32:
-                z = b.call(prims.convert_element_type.default, z, gv.dtype)
-            by_device.setdefault(gv.device, []).append((i, g, z))
-            ctx.counters["noise_added"] += 1
+            ctx.counters["noise_draws"] += 1
+            return b.call(prims.inductor_random.default, [numel], seed, "randn")
+
+        def scaled(z: fx.Node, g: fx.Node) -> fx.Node:
+            gv = g.meta["val"]
+            z = b.call(aten.mul.Tensor, b.view(z, gv.shape), scale)
+            return z if gv.dtype == torch.float32 else b.call(prims.convert_element_type.default, z, gv.dtype)
+
         for group in by_device.values():
-            noisy = b.call(aten._foreach_add.List, [g for _, g, _ in group], [z for _, _, z in group])
-            for j, (i, _, _) in enumerate(group):
-                outs[i] = b.call(operator.getitem, noisy, j)
-            ctx.counters["noise_foreach_adds"] += 1
+            for chunk in _chunks(group, chunk_numel):
+                if len(chunk) == 1 and chunk[0][1].meta["val"].numel() >= chunk_numel:
+                    i, g, param = chunk[0]
+                    outs[i] = b.call(aten.add.Tensor, g, scaled(draw(g.meta["val"].numel(), param), g))
+                    continue
+                z = draw(sum(g.meta["val"].numel() for _, g, _ in chunk), chunk[0][2])
+                zs, offset = [], 0
+                for _, g, _ in chunk:
+                    n = g.meta["val"].numel()
+                    zs.append(scaled(b.call(aten.slice.Tensor, z, 0, offset, offset + n), g))
+                    offset += n
+                noisy = b.call(aten._foreach_add.List, [g for _, g, _ in chunk], zs)
+                for j, (i, _, _) in enumerate(chunk):
+                    outs[i] = b.call(operator.getitem, noisy, j)
+                ctx.counters["noise_foreach_adds"] += 1
     out.args = (tuple(outs),) + tuple(out.args[1:])
     ctx.summary["noise"] = f"N(0, ({sigma} * {ctx.config.max_grad_norm})^2) * {ctx.loss.k:g} on each coordinate"
     return gm

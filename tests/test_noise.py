@@ -5,6 +5,7 @@ import scipy.stats
 import torch
 
 import dpcompile
+import dpcompile.passes.noise as noise_pass
 import models as M
 from helpers import compile_step
 
@@ -34,10 +35,20 @@ def _run_steps(seed, n_steps, *, sigma=1.3, C=0.7, ebs=5, reduction="mean", comp
     return torch.stack(draws).double(), sigma * C * k, backend
 
 
-# compiler="eager" draws the noise with torch's generator from the same seeds (not Inductor's kernels)
-@pytest.mark.parametrize("reduction,compiler", [("mean", "inductor"), ("sum", "inductor"), ("mean", "eager")])
-def test_noise_is_gaussian_with_std_sCk_and_mean_zero(reduction, compiler):
-    z, std, _ = _run_steps(seed=1234, n_steps=150, reduction=reduction, compiler=compiler)
+# compiler="eager" draws the noise with torch's generator from the same seeds (not Inductor's kernels).
+# chunk: how many coordinates one flat draw covers (passes/noise.py); the MLP's parameters have 35, 7, 21
+# and 3: None = the default, all in one draw; 40 = [35] and [7, 21, 3]; 8 = 35 and 21 alone, added
+# without a foreach, 7 and 3 each a chunk of one
+@pytest.mark.parametrize("reduction,compiler,chunk", [("mean", "inductor", None), ("sum", "inductor", None),
+                                                      ("mean", "eager", None), ("mean", "inductor", 40),
+                                                      ("mean", "inductor", 8)])
+def test_noise_is_gaussian_with_std_sCk_and_mean_zero(reduction, compiler, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", chunk)
+    z, std, backend = _run_steps(seed=1234, n_steps=150, reduction=reduction, compiler=compiler)
+    draws, foreach_adds = {None: (1, 1), 40: (2, 2), 8: (4, 2)}[chunk]
+    assert backend.compiled[0].counters["noise_draws"] == draws
+    assert backend.compiled[0].counters["noise_foreach_adds"] == foreach_adds
     n = z.numel()  # 150 steps x 64 coordinates
     flat = (z / std).flatten().numpy()
     # mean 0: |mean| of n standard normals is below 4.5/sqrt(n) except with prob ~7e-6
@@ -53,8 +64,10 @@ def test_noise_is_gaussian_with_std_sCk_and_mean_zero(reduction, compiler):
     assert ((per_coord > lo_c) & (per_coord < hi_c)).all(), per_coord
 
 
-@pytest.mark.parametrize("compiler", ["inductor", "eager"])
-def test_draws_are_independent_across_steps_and_coordinates(compiler):
+@pytest.mark.parametrize("compiler,chunk", [("inductor", None), ("eager", None), ("inductor", 8)])
+def test_draws_are_independent_across_steps_and_coordinates(compiler, chunk, monkeypatch):
+    if chunk is not None:  # parameters with draws of their own: different seeds' streams uncorrelated too
+        monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", chunk)
     z, std, _ = _run_steps(seed=99, n_steps=150, compiler=compiler)
     z = (z / std).numpy()
     # successive steps uncorrelated

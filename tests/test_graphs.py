@@ -72,6 +72,14 @@ mm [7, 5]""")
             self.assertEqual([o for o in before_sqrt if o[0] == "cat"], [("cat", [4, 4])], schedule)
             self.assertNotIn(("add", [4]), before_sqrt, schedule)
 
+    def test_clip_coefficients_and_keep_mask_are_stored_once(self):
+        # not inlined into every kernel that scales or masks by them (the DP backward's compile time)
+        for schedule in ("bk", "ghost"):
+            rec = mlp_backward(schedule)
+            stored = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]
+                      if op == "prims.inductor_force_stride_order.default"]
+            self.assertGreaterEqual(stored.count(("inductor_force_stride_order", [4])), 2, schedule)
+
     def test_noise_is_drawn_in_the_backward_in_one_flat_draw(self):
         torch._dynamo.reset()
         model = M.MLP()

@@ -56,13 +56,27 @@ __all__ = [
 ]
 
 
-def private_step(fn: Callable | None = None, **options: Any):
+_MODES = {"default": {}, "reduce-overhead": {"cudagraphs": True}}
+
+
+def private_step(fn: Callable | None = None, *, mode: str | None = None, **options: Any):
     """Decorator: ``@private_step(max_grad_norm=..., noise_multiplier=..., ...)``.
 
     The same as ``torch.compile(fn, backend="dp_fsdp", options=options)``; the
     returned function has ``.dp_backend`` (the DPBackend, with the compiled
-    graphs and the noise state for checkpoints).
+    graphs and the noise state for checkpoints). ``mode`` as for
+    ``torch.compile``: "default", or "reduce-overhead" (CUDA graphs: the
+    option ``cudagraphs=True``). torch.compile itself takes ``mode`` or
+    ``options``, never both, so with ``backend="dp_fsdp"`` the options say it.
     """
+    if mode is not None:
+        if mode not in _MODES:
+            raise ValueError(f"private_step: mode must be one of {sorted(_MODES)}, got {mode!r} "
+                             f"(Inductor's max-autotune modes are not offered for DP steps)")
+        for key, value in _MODES[mode].items():
+            if options.setdefault(key, value) != value:
+                raise ValueError(f"private_step: mode={mode!r} means {key}={value!r}, but {key}={options[key]!r} "
+                                 f"was given; drop one of them")
     backend = get_backend(options)
 
     def wrap(f: Callable) -> Callable:

@@ -640,6 +640,13 @@ def backend_of(compiler_fn: Any) -> DPBackend | None:
 
 def dp_fsdp(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None, **kwargs: Any):
     """Entry point of ``torch.compile(step, backend="dp_fsdp", options={...})``."""
+    if "mode" in kwargs:
+        raise ValueError(
+            f"torch.compile(backend='dp_fsdp') takes its settings through options=..., and torch.compile takes "
+            f"mode= or options=, never both: for mode={kwargs['mode']!r} write "
+            f"options={{..., 'cudagraphs': True}} (what mode='reduce-overhead' does), or use "
+            f"@dpcompile.private_step(mode={kwargs['mode']!r}, max_grad_norm=..., ...)"
+        )
     if kwargs:
         raise ValueError(f"dp_fsdp takes its settings through options=..., not {sorted(kwargs)}")
     if not options:

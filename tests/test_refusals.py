@@ -271,3 +271,23 @@ def test_loss_is_the_output_its_tangent_seeds_not_the_first_output():
     assert _output_seeded_by(t2, [logits, loss, aux], g) is aux  # the second scalar tangent: the second scalar
     t1.meta["desc"] = type("D", (), {"output": type("O", (), {"idx": 0})()})()  # names the logits: not its shape
     assert _output_seeded_by(t1, [logits, loss], g) is loss
+
+
+def test_mode_reduce_overhead_is_the_cudagraphs_option():
+    opts = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    assert dpcompile.private_step(lambda x: x, mode="reduce-overhead", **opts).dp_backend.config.cudagraphs
+    assert not dpcompile.private_step(lambda x: x, mode="default", **opts).dp_backend.config.cudagraphs
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dpcompile.private_step(lambda x: x, mode="max-autotune", **opts)
+    with pytest.raises(ValueError, match="drop one of them"):
+        dpcompile.private_step(lambda x: x, mode="reduce-overhead", cudagraphs=False, **opts)
+
+
+def test_torch_compile_mode_with_dp_fsdp_says_how_to_write_it():
+    # torch.compile refuses mode= and options= together, so dp_fsdp gets a mode without its settings
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (x * 2).sum(), backend="dp_fsdp", mode="reduce-overhead")
+    with pytest.raises(Exception, match=r"options=\{\.\.\., 'cudagraphs': True\}") as e:
+        f(torch.randn(3, requires_grad=True))
+    # dynamo wraps what a backend raises (BackendCompilerFailed); the user's error is the ValueError inside
+    assert isinstance(getattr(e.value, "inner_exception", e.value), ValueError), type(e.value)

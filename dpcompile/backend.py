@@ -44,6 +44,7 @@ class GraphInput:
     batch_dim: int | None = None
     reshard_after_forward: bool = False  # a fully_shard parameter to gather again in the backward
     sharded: bool = False  # a DTensor parameter (fully_shard)
+    foreign_dtensor: str = ""  # a DTensor parameter fully_shard did not make: its placements and mesh
 
 
 @dataclasses.dataclass
@@ -83,6 +84,13 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _foreign_dtensor(t) -> str:
+    """Placements and mesh of a DTensor parameter that dpcompile.fully_shard did not make ("" otherwise)."""
+    if not _is_dtensor(t) or hasattr(t, "_dpcompile_reshard_after_forward"):
+        return ""
+    return f"placements {tuple(t.placements)} on {t.device_mesh}"
+
+
 def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> list[GraphInput]:
     out = []
     for i, (node, ex) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
@@ -95,7 +103,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
         elif isinstance(example, nn.Parameter):
             out.append(GraphInput(i, "param" if example.requires_grad else "frozen_param", clean_module_path(src),
                                   reshard_after_forward=bool(getattr(example, "_dpcompile_reshard_after_forward", False)),
-                                  sharded=_is_dtensor(example)))
+                                  sharded=_is_dtensor(example), foreign_dtensor=_foreign_dtensor(example)))
         elif "_buffers[" in src:
             out.append(GraphInput(i, "buffer", clean_module_path(src)))
         elif src.startswith("L["):
@@ -109,6 +117,16 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
 def check_sharding(inputs: list[GraphInput], example_inputs) -> None:
     """All trainable parameters sharded by fully_shard on one mesh, or none."""
     params = [(gi, ex) for gi, ex in zip(inputs, example_inputs) if gi.kind == "param"]
+    foreign = [gi for gi, _ in params if gi.foreign_dtensor]
+    if foreign:
+        desc = "; ".join(f"{gi.name}: {gi.foreign_dtensor}" for gi in foreign[:4])
+        raise DPCompileError(
+            f"dp_fsdp: parameters that are DTensors dpcompile.fully_shard did not make ({desc}"
+            f"{' ...' if len(foreign) > 4 else ''}). Tensor-parallel parameters (torch's parallelize_module) "
+            f"are not supported yet: a sample's gradient is then split across ranks, and its norm needs a "
+            f"reduction over the tensor-parallel group that dp_fsdp does not insert yet. For data parallelism, "
+            f"shard the plain model with dpcompile.fully_shard."
+        )
     sharded = [(gi, ex) for gi, ex in params if gi.sharded]
     if not sharded:
         return

@@ -363,6 +363,17 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["stock_fsdp2"] = "no error"
     except dpcompile.DPCompileError as e:
         results["stock_fsdp2"] = str(e)
+    # tensor parallel (torch's parallelize_module): refused by name until it is supported
+    torch._dynamo.reset()
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model, loss_fn, vocab = make("gpt")
+    parallelize_module(model.blocks[0], mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    try:
+        torch.compile(step, backend=backend)(ids, ids)
+        results["tensor_parallel"] = "no error"
+    except (ValueError, dpcompile.DPCompileError) as e:
+        results["tensor_parallel"] = str(e)
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

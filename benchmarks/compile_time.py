@@ -1,20 +1,20 @@
 """Compile time of the DP step against the non-private step, cold or warm caches.
 
-Each run is a fresh process that builds the GPT-2-small-shaped model
-(dpcompile.train.GPT: 12 layers, d = 768, vocab 50257), compiles one training
-step (forward, loss, backward, SGD step) and times the first call (compile and
-first step), then the median of 10 steps (CPU: 2). Modes: nonprivate (stock
-``torch.compile``), bk, ghost (``dpcompile.private_step``). Runs alternate
-between the modes ``--repeats`` times, so a drift of the host shows in every
-mode alike.
+Each run is a fresh process that builds anchors.py's model and step for one
+shape (the same model class, batch, loss and SGD step as the anchors table:
+`anchors.build_model`, `anchors.torch_step`), times the first step (compile
+included) and then the median of 10 steps (CPU: 2). Modes: nonprivate (stock
+``torch.compile``), bk, ghost, auto (``dpcompile.private_step``). Runs
+alternate between the modes ``--repeats`` times, so a drift of the host shows
+in every mode alike. bf16 autocast on a GPU, fp32 on CPU.
 
 Caches: ``cold`` gives each run empty Inductor and Triton cache directories
 (and no FX graph cache), which is what a first compile of a new model costs;
 ``warm`` first fills one cache directory per mode with a run of its own and
 then measures a second process start on it (the restart of a job).
 
-    python benchmarks/compile_time.py                       # GPU: B=32, T=256, bf16 autocast; CPU: B=2, T=32
-    python benchmarks/compile_time.py --modes nonprivate,bk --repeats 2 --cache warm --out ct.json
+    python benchmarks/compile_time.py                       # GPU: gpt:32x256; CPU: gpt:2x32
+    python benchmarks/compile_time.py --shape llama:2x1024 --modes nonprivate,bk --cache warm --out ct.json
 """
 from __future__ import annotations
 
@@ -27,63 +27,49 @@ import sys
 import tempfile
 import time
 
+import anchors
 
-def child(mode: str, B: int, T: int) -> dict:
+
+def child(mode: str, shape: str) -> dict:
     import torch
-    import torch.nn.functional as F
 
-    import dpcompile
-    from dpcompile.train import GPT
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    model = GPT(50257, 768, 12, 12, T).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 50257, (B, T), device=dev)
-
-    def step(ids):
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            logits = model(ids)
-            per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-            loss = per_token.view(B, -1).mean(1).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    if mode == "nonprivate":
-        f = torch.compile(step)
-    else:
-        f = dpcompile.private_step(step, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
-                                   schedule=mode)
+    model_name, B, T = anchors.parse_shape(shape)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    spec = dict(model=model_name, B=B, T=T, mode=mode, dtype="bf16" if device.type == "cuda" else "fp32",
+                tiny=False, shard=False, llama_tied=False)
+    with device:
+        model = anchors.build_model(spec)
+    ids = torch.randint(0, anchors.MODEL_DIMS[model_name]["vocab"], (B, T + 1),
+                        generator=torch.Generator().manual_seed(1)).to(device)
+    step, _ = anchors.torch_step(spec, model, ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), device)
 
     def sync():
-        if dev == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize()
 
     t = time.perf_counter()
-    f(ids)
+    step()
     sync()
     first = time.perf_counter() - t
-    steps, warm = [], 3 if dev == "cuda" else 1
-    for i in range(warm + (10 if dev == "cuda" else 2)):
+    steps, warm = [], 3 if device.type == "cuda" else 1
+    for i in range(warm + (10 if device.type == "cuda" else 2)):
         sync()
         t = time.perf_counter()
-        f(ids)
+        step()
         sync()
         if i >= warm:
             steps.append(time.perf_counter() - t)
     return {"mode": mode, "first_call_s": first, "step_ms": statistics.median(steps) * 1e3,
-            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__}
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 
-def run(mode: str, B: int, T: int, cache: str | None) -> dict:
+def run(mode: str, shape: str, cache: str | None) -> dict:
     env = dict(os.environ)
     cache = cache or tempfile.mkdtemp(prefix="dpc-ct-")
     env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--batch", str(B), "--tokens", str(T)],
+    out = subprocess.run([sys.executable, __file__, "--child", mode, "--shape", shape],
                          env=env, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -96,32 +82,35 @@ def main() -> None:
     p.add_argument("--modes", default="nonprivate,bk,ghost")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cache", choices=("cold", "warm"), default="cold")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--tokens", type=int)
+    p.add_argument("--shape", help="MODEL:BxT as in anchors.py (default gpt:32x256 on a GPU, gpt:2x32 on CPU)")
     p.add_argument("--out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.batch, a.tokens)))
+        print(json.dumps(child(a.child, a.shape)))
         return
     import torch
 
-    gpu = torch.cuda.is_available()
-    B, T = a.batch or (32 if gpu else 2), a.tokens or (256 if gpu else 32)
+    shape = a.shape or ("gpt:32x256" if torch.cuda.is_available() else "gpt:2x32")
+    anchors.parse_shape(shape)  # a bad shape fails here, not in every child
     if a.cache == "cold":
         os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     modes = a.modes.split(",")
+    for m in modes:
+        if anchors.MODES.get(m, ("",))[0] not in ("torch", "dpcompile") or m == "nonprivate_eager":
+            raise SystemExit(f"--modes: {m!r} is not a compiled mode of anchors.py (nonprivate, bk, ghost, auto, "
+                             f"their :cg forms)")
     caches = {m: tempfile.mkdtemp(prefix=f"dpc-ct-{m}-") for m in modes} if a.cache == "warm" else {}
     for m in caches:  # the first process start fills the mode's caches
-        run(m, B, T, caches[m])
+        run(m, shape, caches[m])
     rows = []
     for r in range(a.repeats):
         for m in modes:
-            row = run(m, B, T, caches.get(m))
+            row = run(m, shape, caches.get(m))
             row["repeat"] = r
             rows.append(row)
             print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms", flush=True)
-    print(f"\n{a.cache} caches, B={B}, T={T}, {rows[0]['device']}, torch {rows[0]['torch']}")
+    print(f"\n{a.cache} caches, {shape}, {rows[0]['device']}, torch {rows[0]['torch']}")
     base = statistics.mean(r["first_call_s"] for r in rows if r["mode"] == "nonprivate") if "nonprivate" in modes else None
     for m in modes:
         firsts = [r["first_call_s"] for r in rows if r["mode"] == m]
@@ -129,7 +118,7 @@ def main() -> None:
         print(f"{m:12s} first call {', '.join(f'{x:.1f}' for x in firsts)} s  {ratio}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"command": sys.argv, "cache": a.cache, "B": B, "T": T, "rows": rows}, f, indent=1)
+            json.dump({"command": sys.argv, "cache": a.cache, "shape": shape, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ measured). Parameters are therefore packed into chunks of at most
 ``CHUNK_NUMEL`` coordinates: one flat draw per chunk (keyed by the seed of its
 first parameter), sliced into the chunk's parameters and added by one
 ``_foreach_add`` (Inductor's horizontal kernel). A parameter of at least
-``CHUNK_NUMEL`` coordinates keeps its own draw, fused into its add: no flat
-buffer larger than a chunk ever exists, so the noise costs at most one chunk
-of fp32 memory at the end of the step (128 MiB by default).
+``CHUNK_NUMEL`` coordinates keeps its own draw, fused into its add, so no
+flat draw is larger than a chunk (128 MiB of fp32 by default). A chunk's draw
+lives until its foreach add; how many are alive at once is Inductor's
+scheduling (GPT-2-small bf16 on an H200: peak memory unchanged).
 """
 from __future__ import annotations
 

@@ -59,7 +59,10 @@ def child(mode: str, shape: str) -> dict:
         sync()
         if i >= warm:
             steps.append(time.perf_counter() - t)
+    from torch._dynamo.utils import counters
+
     return {"mode": mode, "first_call_s": first, "step_ms": statistics.median(steps) * 1e3,
+            "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 
@@ -109,7 +112,8 @@ def main() -> None:
             row = run(m, shape, caches.get(m))
             row["repeat"] = r
             rows.append(row)
-            print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms", flush=True)
+            print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms   "
+                  f"AOTAutograd cache {row['aot_autograd_cache']}", flush=True)
     print(f"\n{a.cache} caches, {shape}, {rows[0]['device']}, torch {rows[0]['torch']}")
     base = statistics.mean(r["first_call_s"] for r in rows if r["mode"] == "nonprivate") if "nonprivate" in modes else None
     for m in modes:

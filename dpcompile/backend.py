@@ -8,7 +8,6 @@ gradients; the min-cut partitioner and Inductor take it from there.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 from typing import Any, Callable
@@ -21,6 +20,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from dpcompile.accumulation import accumulating
 from dpcompile.batching import require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
+from dpcompile.compile_cache import aot_cache_allowed, load_record, partitioner_key, record_key, save_record
 from dpcompile.compat import guard_empty_y_grid, hf_expand_position_ids, hint_mix_order_split
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
@@ -61,6 +61,9 @@ class CompiledStep:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     dump_files: list[str] = dataclasses.field(default_factory=list)
     dp: bool = True  # False: the graph had no trainable parameter and was compiled as is
+    # "hit": served by the AOTAutograd cache (no pass ran; graphs, counters and summary read back from the
+    # compile that filled it); "miss": compiled and cached; "": the cache was off (dumps, TORCH_TRACE, eager)
+    cache: str = ""
     compile_reason: str = ""  # why dynamo ended this graph where it did (its first line)
 
 
@@ -160,21 +163,6 @@ def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split
                 f"compute everything that needs gradients inside the compiled step.")))
 
 
-@functools.cache
-def _source_hash() -> str:
-    """A digest of dpcompile's and its passes' source: compiled code is never reused across versions."""
-    import hashlib
-    import pathlib
-
-    from dpcompile import passes as dp_passes
-
-    digest = hashlib.sha256(torch.__version__.encode())
-    for package in (pathlib.Path(__file__).parent, pathlib.Path(dp_passes.__file__).parent):
-        for f in sorted(package.rglob("*.py")):
-            digest.update(str(f.relative_to(package)).encode() + f.read_bytes())
-    return digest.hexdigest()[:20]
-
-
 class DPPartitioner(CustomPartitionerFn):
     """Runs the dp passes on the joint graph, then Inductor's min-cut partitioner."""
 
@@ -183,12 +171,12 @@ class DPPartitioner(CustomPartitionerFn):
         self.record = record
         self.dumper = dumper
         self.split = split  # describe_split of the dynamo graph: why it may be only part of the step
+        self.called = False  # False after compile_fx: the AOTAutograd cache served the step
 
     def uuid(self):
-        # Inductor's FX graph cache keys the graphs it compiles (the forward and backward this partitioner
-        # returns, DP rewrite included) by their content plus this: a warm restart reuses the generated
-        # code. The AOTAutograd cache, which would skip this partitioner, is off for DP graphs (__call__).
-        return f"dpcompile.DPPartitioner-{_source_hash()}"
+        # Inductor hashes this into its AOTAutograd and FX graph cache keys: dpcompile's source and every
+        # option and setting the passes read (compile_cache), so a hit never carries other DP options
+        return partitioner_key(self.backend.config)
 
     def __deepcopy__(self, memo):
         return self  # Inductor copies its config; this object holds live compile state
@@ -200,6 +188,7 @@ class DPPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        self.called = True
         ctx = self._context(gm, kwargs["num_fwd_outputs"])
         self._dump("joint_graph_before_dp", gm)
         before = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
@@ -479,13 +468,16 @@ class DPBackend:
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         part = DPPartitioner(self, record, dumper, split)
-        # no AOTAutograd cache: a hit would skip the partitioner (the dp passes, the record of what they
-        # did); Inductor's FX graph cache below it still serves the generated code (DPPartitioner.uuid)
+        aot_cache = torch._functorch.config.enable_autograd_cache and aot_cache_allowed(
+            self.config, dumps_wanted=dumper.folder is not None)
+        extra = [seeds_example, counter, gate_on]
+        key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
+
         def not_donated(n: int) -> None:
             record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
 
-        with torch._functorch.config.patch(enable_autograd_cache=False), no_aliased_donations(not_donated):
-            compiled = compile_fx(gm, [*example_inputs, seeds_example, counter, gate_on], config_patches={
+        with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
+            compiled = compile_fx(gm, [*example_inputs, *extra], config_patches={
                 "custom_partitioner_fn": part,
                 # pad_mm pads and re-slices contractions in the joint graph; the
                 # per-sample norms are cheaper on the unpadded ones
@@ -499,6 +491,16 @@ class DPBackend:
                     min(16, torch._inductor.config.max_fusion_buffer_group_pairwise_attempts),
                 **cudagraphs,
             }, **inner)
+        if key is not None:
+            record.cache = "miss" if part.called else "hit"
+            if part.called:  # for a later process that this compile's cache entry serves
+                save_record(key, record)
+            else:
+                found = load_record(key, record)
+                record.summary = {**record.summary, "compile_id": compile_id, "cache": (
+                    "AOTAutograd cache hit: no pass ran; graphs, counters and summary are those of the compile "
+                    "that filled the cache" if found else
+                    "AOTAutograd cache hit; the record of the compile that filled the cache was not found")}
         n_seeds = len(inputs)
         own_grads = GradsOutOfGraphMemory([gi.index for gi in inputs if gi.kind == "param"], counter) \
             if self.config.cudagraphs else None

@@ -1,4 +1,4 @@
-"""A restart reuses Inductor's generated code for DP graphs (the FX graph cache), never across DP options."""
+"""A restart reuses the compiled DP step (AOTAutograd and FX graph caches), never across DP options or settings."""
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
@@ -6,30 +6,70 @@ from torch._inductor.utils import fresh_cache
 import models as M
 from helpers import compile_step
 
+from dpcompile import compile_cache
+from dpcompile.config import DPConfig
+from dpcompile.passes import noise as noise_pass
 
-def _grads_after_a_fresh_compile(model, x, y, C):
-    torch._dynamo.reset()  # as a new process would: dynamo and AOTAutograd start over
+
+def _fresh_compile(model, x, y, C, **options):
+    """Grads and record of a step compiled as a new process would: dynamo and AOTAutograd start over."""
+    torch._dynamo.reset()
     model.zero_grad(set_to_none=True)
-    step, backend = compile_step(model, M.ce, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=4)
+    step, backend = compile_step(model, M.ce, max_grad_norm=C, expected_batch_size=4,
+                                 **{"noise_multiplier": 0.0, **options})
     step((x,), (y,))
     (record,) = [r for r in backend.compiled if r.dp]
-    assert record.counters["clip_coefficients"] == 1  # the dp passes ran (no AOTAutograd cache skipped them)
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, record
 
 
-def test_recompiling_the_same_dp_step_hits_the_fx_graph_cache_and_other_options_miss_it():
+def test_a_restart_hits_the_aot_autograd_cache_and_other_options_or_settings_miss_it(monkeypatch, tmp_path):
     torch.manual_seed(0)
     model = M.MLP()
     x, y = torch.randn(4, 5) * 3, torch.randint(0, 3, (4,))
-    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True):
-        first = _grads_after_a_fresh_compile(model, x, y, C=0.05)
-        hits = counters["inductor"]["fxgraph_cache_hit"]
-        again = _grads_after_a_fresh_compile(model, x, y, C=0.05)
-        assert counters["inductor"]["fxgraph_cache_hit"] >= hits + 2  # the forward and the backward
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        first, rec1 = _fresh_compile(model, x, y, C=0.05)
+        assert rec1.cache == "miss" and rec1.counters["clip_coefficients"] == 1  # the dp passes ran
+
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
+        again, rec2 = _fresh_compile(model, x, y, C=0.05)
+        assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1
+        assert rec2.cache == "hit"  # no pass ran; what they recorded is read back
+        assert rec2.counters == rec1.counters and rec2.graphs["backward"] == rec1.graphs["backward"]
+        assert "cache hit" in rec2.summary["cache"] and rec2.summary["params"] == rec1.summary["params"]
         for n in first:
             torch.testing.assert_close(again[n], first[n], rtol=0, atol=0)
-        misses = counters["inductor"]["fxgraph_cache_miss"]
-        other = _grads_after_a_fresh_compile(model, x, y, C=0.025)  # every sample clipped: half the gradient
-        assert counters["inductor"]["fxgraph_cache_miss"] > misses  # the backward holds C: compiled anew
+
+        # C is baked into the backward: another C compiles anew and clips with it
+        other, rec3 = _fresh_compile(model, x, y, C=0.025)  # every sample clipped: half the gradient
+        assert rec3.cache == "miss"
         for n in first:
             torch.testing.assert_close(other[n], first[n] / 2)
+
+        # a module setting the passes read (here the noise's chunk size) is part of the key too
+        _, rec4 = _fresh_compile(model, x, y, C=0.05, noise_multiplier=1.0, seed=0)
+        assert rec4.cache == "miss"
+        monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", 8)
+        _, rec5 = _fresh_compile(model, x, y, C=0.05, noise_multiplier=1.0, seed=0)
+        assert rec5.cache == "miss" and rec5.counters["noise_draws"] > rec4.counters["noise_draws"]
+
+        # graph dumps need the passes to run: that compile skips the cache
+        _, rec6 = _fresh_compile(model, x, y, C=0.05, dump_dir=str(tmp_path))
+        assert rec6.cache == "" and rec6.counters["clip_coefficients"] == 1 and rec6.dump_files
+
+
+def test_the_key_holds_every_dp_option_and_module_setting(monkeypatch):
+    base = compile_cache.partitioner_key(DPConfig(max_grad_norm=1.0, noise_multiplier=1.0))
+    assert base == compile_cache.partitioner_key(DPConfig(max_grad_norm=1.0, noise_multiplier=1.0))
+    for change in (dict(max_grad_norm=2.0), dict(noise_multiplier=0.5), dict(schedule="ghost"),
+                   dict(expected_batch_size=8), dict(norm_eps=1e-5), dict(memory_budget=1), dict(linear_norm="direct"),
+                   dict(cudagraphs=True)):
+        key = compile_cache.partitioner_key(DPConfig(**{"max_grad_norm": 1.0, "noise_multiplier": 1.0, **change}))
+        assert key != base, change
+    names = dict(compile_cache.settings())
+    for setting in ("dpcompile.passes.noise.CHUNK_NUMEL", "dpcompile.passes.per_sample_norms.NORM_BLOCK_BYTES",
+                    "dpcompile.passes.aligned_contractions.ALIGNMENT",
+                    "dpcompile.passes.second_backward_recompute.RECOMPUTE_MIN_BYTES"):
+        assert setting in names, setting
+    monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", 3)
+    assert compile_cache.partitioner_key(DPConfig(max_grad_norm=1.0, noise_multiplier=1.0)) != base

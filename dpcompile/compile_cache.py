@@ -1,0 +1,138 @@
+"""Warm restarts: the AOTAutograd cache serves DP graphs, keyed by everything the dp passes read.
+
+A cache hit skips AOTAutograd's tracing, dpcompile's passes and the min-cut
+partitioner, and loads the generated forward and backward from Inductor's FX
+graph cache. The passes bake the DP options into the graphs (C, sigma, the
+schedule, block sizes), so the key (``DPPartitioner.uuid``, which Inductor
+hashes into the AOTAutograd and FX graph cache keys) holds dpcompile's source,
+torch's version, every ``DPConfig`` field, the fp32 matmul precision and the
+value of every module-level setting of dpcompile and its passes
+(``CHUNK_NUMEL``, ``NORM_BLOCK_BYTES``, ...): change any of them and the step
+compiles anew. What the passes recorded for
+inspection (``backend.compiled[i]``: graphs, counters, summary) is saved
+beside Inductor's cache on a miss and read back on a hit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import pathlib
+import pickle
+import re
+import sys
+from typing import Any
+
+import torch
+
+_SIMPLE = (int, float, str, bool, type(None), torch.dtype)
+
+
+@functools.cache
+def source_hash() -> str:
+    """A digest of dpcompile's and its passes' source: compiled code is never reused across versions."""
+    from dpcompile import passes as dp_passes
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for package in (pathlib.Path(__file__).parent, pathlib.Path(dp_passes.__file__).parent):
+        for f in sorted(package.rglob("*.py")):
+            digest.update(str(f.relative_to(package)).encode() + f.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _simple(v: Any) -> bool:
+    if isinstance(v, _SIMPLE):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_simple(x) for x in v)
+    if isinstance(v, dict):
+        return all(_simple(k) and _simple(x) for k, x in v.items())
+    return False
+
+
+def settings() -> list[tuple[str, str]]:
+    """(module.NAME, repr) of every module-level setting of dpcompile and its passes, read now (a test or a
+    user may have changed one since import). Settings are upper-case names holding plain values; a private
+    one (leading underscore) only when scalar, so module state such as a dict of counters stays out."""
+    out = []
+    for mod_name, mod in sorted((n, m) for n, m in list(sys.modules.items()) if n.split(".")[0] == "dpcompile"):
+        for name, value in sorted(vars(mod).items()):
+            if not re.fullmatch(r"_?[A-Z][A-Z0-9_]*", name) or not _simple(value):
+                continue
+            if name.startswith("_") and isinstance(value, (tuple, list, dict)):
+                continue
+            out.append((f"{mod_name}.{name}", repr(value)))
+    return out
+
+
+def partitioner_key(config) -> str:
+    """What the DP graphs depend on beyond the Dynamo graph and its inputs (which the caches key themselves)."""
+    fields = [(f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)]
+    # the fp32 matmul precision: aligned_contractions pads for TF32
+    digest = hashlib.sha256(repr((fields, settings(), torch.get_float32_matmul_precision())).encode()).hexdigest()[:20]
+    return f"dpcompile.DPPartitioner-{source_hash()}-{digest}"
+
+
+def aot_cache_allowed(config, dumps_wanted: bool) -> bool:
+    """A hit runs no pass: no graph dumps or TORCH_TRACE artifacts; those compiles skip the cache. The eager
+    compiler's graphs are not Inductor's, which the cache stores."""
+    return config.compiler == "inductor" and not dumps_wanted and not _tracing()
+
+
+def _tracing() -> bool:
+    """TORCH_TRACE on: torch's trace handler has a folder to write to (it is installed without one too)."""
+    if os.environ.get("TORCH_TRACE"):
+        return True
+    try:
+        from torch._logging._internal import LazyTraceHandler, trace_log
+
+        return any(isinstance(h, LazyTraceHandler) and h.root_dir is not None for h in trace_log.handlers)
+    except Exception:  # noqa: BLE001 (private API: assume tracing, which only costs the cache)
+        return True
+
+
+def record_key(partitioner_uuid: str, gm: torch.fx.GraphModule, example_inputs) -> str:
+    """Names the record of one compile: the partitioner key, the Dynamo graph's code and its inputs'
+    metadata (the AOTAutograd cache keys the same things, and more)."""
+    metas = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            metas.append((type(x).__name__, str(x.dtype), str(x.device), str(tuple(x.shape)), str(x.stride()),
+                          x.requires_grad))
+        else:
+            metas.append(repr(x))
+    return hashlib.sha256(repr((partitioner_uuid, gm.code, metas)).encode()).hexdigest()
+
+
+def _records_dir() -> pathlib.Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return pathlib.Path(cache_dir()) / "dpcompile_records"
+
+
+RECORDED = ("graphs", "ops", "counters", "summary")
+
+
+def save_record(key: str, record) -> None:
+    """Best effort: a record that cannot be written only leaves a later hit without it."""
+    try:
+        folder = _records_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{key}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({k: getattr(record, k) for k in RECORDED}, f)
+        os.replace(tmp, folder / f"{key}.pkl")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def load_record(key: str, record) -> bool:
+    try:
+        with open(_records_dir() / f"{key}.pkl", "rb") as f:
+            saved = pickle.load(f)
+    except Exception:  # noqa: BLE001
+        return False
+    for k in RECORDED:
+        setattr(record, k, saved[k])
+    return True

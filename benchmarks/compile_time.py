@@ -62,7 +62,8 @@ def child(mode: str, shape: str) -> dict:
     from torch._dynamo.utils import counters
 
     return {"mode": mode, "first_call_s": first, "step_ms": statistics.median(steps) * 1e3,
-            "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
+            "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
+                                   if k.startswith("autograd_cache")},
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 

@@ -155,7 +155,8 @@ def main():
     modes = [int(m) for m in args.modes.split(",")]
     for (B, T) in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
         Nr = B * T
-        for name, O, I in [("qkv", 2304, 768), ("attn_proj", 768, 768), ("fc", 3072, 768), ("mlp_proj", 768, 3072), ("lm_head", 50257, 768)]:
+        for name, O, I in [("qkv", 2304, 768), ("attn_proj", 768, 768), ("fc", 3072, 768), ("mlp_proj", 768, 3072),
+                           ("lm_head", 50257, 768)]:
             G = torch.randn(Nr, O, device="cuda", dtype=torch.bfloat16)
             X = torch.randn(Nr, I, device="cuda", dtype=torch.bfloat16)
             r = torch.rand(B, device="cuda")

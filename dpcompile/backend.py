@@ -32,6 +32,7 @@ from dpcompile.passes.cleanup import finalize
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.step_split import Split, describe_split, split_error_text
+from dpcompile.tensor_parallel import TPMesh, allow_dtensor_gradients_in_dynamo, is_tp_dtensor, tp_mesh, tp_placement
 
 SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
 
@@ -44,7 +45,8 @@ class GraphInput:
     batch_dim: int | None = None
     reshard_after_forward: bool = False  # a fully_shard parameter to gather again in the backward
     sharded: bool = False  # a DTensor parameter (fully_shard)
-    foreign_dtensor: str = ""  # a DTensor parameter fully_shard did not make: its placements and mesh
+    foreign_dtensor: str = ""  # a DTensor parameter dpcompile cannot take: its placements and mesh
+    tp: str = ""  # tensor parallel (parallelize_module): "shard" or "replicate" (tensor_parallel.tp_placement)
 
 
 @dataclasses.dataclass
@@ -88,8 +90,9 @@ def _is_dtensor(t) -> bool:
 
 
 def _foreign_dtensor(t) -> str:
-    """Placements and mesh of a DTensor parameter that dpcompile.fully_shard did not make ("" otherwise)."""
-    if not _is_dtensor(t) or hasattr(t, "_dpcompile_reshard_after_forward"):
+    """Placements and mesh of a DTensor parameter that neither dpcompile.fully_shard made nor tensor
+    parallelism on a 1-D mesh ("" otherwise)."""
+    if not is_tp_dtensor(t) or tp_placement(t):
         return ""
     return f"placements {tuple(t.placements)} on {t.device_mesh}"
 
@@ -106,7 +109,9 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
         elif isinstance(example, nn.Parameter):
             out.append(GraphInput(i, "param" if example.requires_grad else "frozen_param", clean_module_path(src),
                                   reshard_after_forward=bool(getattr(example, "_dpcompile_reshard_after_forward", False)),
-                                  sharded=_is_dtensor(example), foreign_dtensor=_foreign_dtensor(example)))
+                                  sharded=_is_dtensor(example) and not is_tp_dtensor(example),
+                                  foreign_dtensor=_foreign_dtensor(example),
+                                  tp=tp_placement(example) if is_tp_dtensor(example) else ""))
         elif "_buffers[" in src:
             out.append(GraphInput(i, "buffer", clean_module_path(src)))
         elif src.startswith("L["):
@@ -117,22 +122,30 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
     return out
 
 
-def check_sharding(inputs: list[GraphInput], example_inputs) -> None:
-    """All trainable parameters sharded by fully_shard on one mesh, or none."""
+def check_sharding(inputs: list[GraphInput], example_inputs) -> TPMesh | None:
+    """All trainable parameters sharded by fully_shard on one mesh, or none; or tensor parallel on one 1-D
+    mesh (returned)."""
     params = [(gi, ex) for gi, ex in zip(inputs, example_inputs) if gi.kind == "param"]
     foreign = [gi for gi, _ in params if gi.foreign_dtensor]
     if foreign:
         desc = "; ".join(f"{gi.name}: {gi.foreign_dtensor}" for gi in foreign[:4])
         raise DPCompileError(
-            f"dp_fsdp: parameters that are DTensors dpcompile.fully_shard did not make ({desc}"
-            f"{' ...' if len(foreign) > 4 else ''}). Tensor-parallel parameters (torch's parallelize_module) "
-            f"are not supported yet: a sample's gradient is then split across ranks, and its norm needs a "
-            f"reduction over the tensor-parallel group that dp_fsdp does not insert yet. For data parallelism, "
-            f"shard the plain model with dpcompile.fully_shard."
+            f"dp_fsdp: parameters that are DTensors of a layout dpcompile does not support ({desc}"
+            f"{' ...' if len(foreign) > 4 else ''}). Supported: dpcompile.fully_shard over one mesh, or tensor "
+            f"parallelism (parallelize_module with ColwiseParallel / RowwiseParallel) over one 1-D mesh, whose "
+            f"parameters are Shard(d) or Replicate DTensors; 2-D (data x tensor parallel) meshes and other "
+            f"placements are not supported yet."
         )
+    tp = [(gi, ex) for gi, ex in params if gi.tp]
+    if tp:
+        if any(gi.sharded for gi, _ in params):
+            raise DPCompileError(
+                "dp_fsdp: a model both sharded with dpcompile.fully_shard and tensor parallel "
+                f"({tp[0][0].name}: {tuple(tp[0][1].placements)}) is not supported yet; use one of the two")
+        return tp_mesh([(gi.name, ex) for gi, ex in tp])
     sharded = [(gi, ex) for gi, ex in params if gi.sharded]
     if not sharded:
-        return
+        return None
     plain = [gi.name for gi, _ in params if not gi.sharded]
     if plain:
         raise DPValueError(
@@ -149,6 +162,7 @@ def check_sharding(inputs: list[GraphInput], example_inputs) -> None:
         desc = "; ".join(f"{name} on {mesh}" for name, mesh in meshes)
         raise DPValueError(f"dp_fsdp: parameters live on different device meshes ({desc}); shard all of them "
                            f"with fully_shard(..., mesh=<one mesh>)")
+    return None
 
 
 def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split: Split | None) -> None:
@@ -166,8 +180,10 @@ def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split
 class DPPartitioner(CustomPartitionerFn):
     """Runs the dp passes on the joint graph, then Inductor's min-cut partitioner."""
 
-    def __init__(self, backend: "DPBackend", record: CompiledStep, dumper: GraphDumper, split: "Split | None" = None):
+    def __init__(self, backend: "DPBackend", record: CompiledStep, dumper: GraphDumper, split: "Split | None" = None,
+                 tp: TPMesh | None = None):
         self.backend = backend
+        self.tp = tp
         self.record = record
         self.dumper = dumper
         self.split = split  # describe_split of the dynamo graph: why it may be only part of the step
@@ -266,7 +282,7 @@ class DPPartitioner(CustomPartitionerFn):
             grad_pos = {i: num_fwd_outputs + i for i in range(len(primals))}
         params, data, reshard = [], {}, set()
         inputs = self.record.inputs
-        noise_index = 0
+        ordinal = {gi.index: k for gi, k in _param_ordinals(inputs)}
         for gi in inputs:
             node = by_index.get(gi.index)
             if node is None:
@@ -277,8 +293,11 @@ class DPPartitioner(CustomPartitionerFn):
                 j = grad_pos.get(gi.index)
                 if j is None or out.args[0][j] is None:
                     continue  # unused by the loss: no gradient, no noise
-                params.append(ParamInfo(gi.name, node, j, noise_index))
-                noise_index += 1
+                # the seed of the parameter's ordinal: the same on every rank (an input's position is not:
+                # ranks' graphs may differ in their symbolic-size inputs), known before the passes run
+                # (tensor-parallel replicas pick their stream by it, NoiseSeeds.index_ranks)
+                params.append(ParamInfo(gi.name, node, j, ordinal[gi.index],
+                                        tp=gi.tp or ("replicate" if self.tp else "")))
             elif gi.kind == "data":
                 data[node] = (gi.name, gi.batch_dim)
         seeds_pos = len(inputs)
@@ -293,6 +312,7 @@ class DPPartitioner(CustomPartitionerFn):
             num_fwd_outputs=num_fwd_outputs, compile_id=self.record.compile_id, reshard_primals=reshard,
             sharded=any(gi.sharded for gi in inputs), split_step=self.split,
             compile_reason=self.record.compile_reason,
+            tp_group=self.tp.group if self.tp is not None else None,
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx
@@ -439,13 +459,19 @@ class DPBackend:
         cid = CompileContext.current_compile_id()
         compile_id = str(cid) if cid is not None else str(len(self.compiled))
         inputs = classify_inputs(gm, example_inputs, self.config)
-        check_sharding(inputs, example_inputs)
+        tp = check_sharding(inputs, example_inputs)
+        if tp is not None:
+            allow_dtensor_gradients_in_dynamo()
         if any(gi.sharded for gi in inputs) and torch.is_grad_enabled():
             require_unbacked_batch(gm, inputs)
         guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
         hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second
-        self.noise.rank = _noise_rank(example_inputs)
+        self.noise.rank = _noise_rank(inputs, example_inputs)
+        # tensor parallel: a shard's noise comes from this rank's stream, a replica's from one stream that
+        # every rank of the group shares (replicas stay equal; each coordinate gets one draw)
+        self.noise.index_ranks = {k: (tp.rank if gi.tp == "shard" else 0)
+                                  for gi, k in _param_ordinals(inputs)} if tp is not None else {}
         record = CompiledStep(compile_id, inputs)
         self.compiled.append(record)
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())
@@ -467,9 +493,10 @@ class DPBackend:
         gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
-        part = DPPartitioner(self, record, dumper, split)
+        part = DPPartitioner(self, record, dumper, split, tp)
         aot_cache = torch._functorch.config.enable_autograd_cache and aot_cache_allowed(
-            self.config, dumps_wanted=dumper.folder is not None)
+            self.config, dumps_wanted=dumper.folder is not None,
+            distributed=any(gi.sharded or gi.tp for gi in inputs))
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
 
@@ -600,15 +627,21 @@ def _with_extra_inputs(gm: fx.GraphModule, extra: list[tuple[str, torch.Tensor]]
     return new
 
 
-def _noise_rank(example_inputs) -> int:
+def _param_ordinals(inputs: list[GraphInput]) -> list[tuple[GraphInput, int]]:
+    """Each trainable parameter with its ordinal among them: its noise seed's index."""
+    return [(gi, k) for k, gi in enumerate(gi for gi in inputs if gi.kind == "param")]
+
+
+def _noise_rank(inputs: list[GraphInput], example_inputs) -> int:
     """Which stream this rank's noise comes from: the index of the shard it owns.
 
     Under pure sharding that is the rank. With a 2-D (hybrid) mesh, replicas
     of a shard must draw the same noise (each coordinate gets one draw and the
     replicas stay equal), so the stream is the rank within the shard dim.
+    (Tensor-parallel parameters pick theirs per parameter: NoiseSeeds.index_ranks.)
     """
-    for ex in example_inputs:
-        if _is_dtensor(ex):
+    for gi, ex in zip(inputs, example_inputs):
+        if gi.sharded:
             return ex.device_mesh.get_local_rank(mesh_dim=ex.device_mesh.ndim - 1)
     return _rank()
 

@@ -33,6 +33,9 @@ class NoiseSeeds:
     def __init__(self, seed: int | None, rank: int = 0):
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
         self.rank = rank
+        # seed index -> the stream rank it draws from, where that is not ``rank`` (tensor parallel: a
+        # replicated parameter draws from one stream all ranks of its group share)
+        self.index_ranks: dict[int, int] = {}
         self.step = 0
         self._lock = threading.Lock()
         # a seed from the OS differs per process: ranks take rank 0's before their first draw, so replicas
@@ -49,8 +52,14 @@ class NoiseSeeds:
             self.seed = int(box[0])
 
     def seeds_for(self, step: int, n: int) -> list[int]:
-        base = splitmix64(self.seed ^ splitmix64(step) ^ splitmix64((self.rank + 1) << 40))
-        return [_signed(splitmix64(base ^ splitmix64(i + 1))) for i in range(n)]
+        bases: dict[int, int] = {}
+
+        def base(rank: int) -> int:
+            if rank not in bases:
+                bases[rank] = splitmix64(self.seed ^ splitmix64(step) ^ splitmix64((rank + 1) << 40))
+            return bases[rank]
+
+        return [_signed(splitmix64(base(self.index_ranks.get(i, self.rank)) ^ splitmix64(i + 1))) for i in range(n)]
 
     def example(self, n: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(max(n, 1), dtype=torch.int64, device=device)

@@ -26,6 +26,7 @@ from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
 from .second_backward_recompute import second_backward_recompute_pass
+from .tensor_parallel import tensor_parallel_check_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("empty_batch", empty_batch_pass),
     Pass("loss_reduction", loss_reduction_pass),
     Pass("param_grad_decomposition", param_grad_decomposition_pass),
+    Pass("tensor_parallel_check", tensor_parallel_check_pass),
     Pass("per_sample_norms", per_sample_norms_pass),
     Pass("clip_schedule", clip_schedule_pass),
     Pass("gaussian_noise", gaussian_noise_pass),

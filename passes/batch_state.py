@@ -165,10 +165,18 @@ _C10D = torch.ops._c10d_functional
 COLLECTIVE_REDUCTIONS = {_C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default}
 
 
+def is_gradient_reduction(n) -> bool:
+    """A cross-rank sum of something other than per-sample values: a gradient's reduction (FSDP's
+    reduce-scatter). Tensor parallelism's all-reduce of activations keeps rows per sample (its result is
+    Batched, rules/collectives.py) and is not one."""
+    return n.op == "call_function" and n.target in COLLECTIVE_REDUCTIONS and \
+        not isinstance(n.meta.get("dp_batch"), Batched)
+
+
 def has_collective_reductions(graph) -> bool:
-    """Whether any value of the graph is reduced across ranks (False on one process): passes that look for
-    the reductions behind each gradient skip their per-parameter searches when there are none."""
-    return any(n.op == "call_function" and n.target in COLLECTIVE_REDUCTIONS for n in graph.nodes)
+    """Whether any gradient of the graph is reduced across ranks (False on one process): passes that look
+    for the reductions behind each gradient skip their per-parameter searches when there are none."""
+    return any(is_gradient_reduction(n) for n in graph.nodes)
 
 
 # ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .batch_state import COLLECTIVE_REDUCTIONS as _REDUCTIONS, has_collective_reductions
+from .batch_state import has_collective_reductions, is_gradient_reduction
 from .cleanup import stable_topological_sort
 from .context import DPPassContext
 
@@ -41,7 +41,7 @@ def _collectives_feeding(out_arg: fx.Node, seen: dict[fx.Node, bool]) -> list[fx
         if n in seen and (not seen[n] or below):  # expanded already, at least as far as it would be now
             continue
         seen[n] = below
-        if n.target in _REDUCTIONS:
+        if is_gradient_reduction(n):  # not tensor parallelism's all-reduces of per-sample values
             found.append(n)
             below = True
         elif below and n.target is not _C10D.wait_tensor.default:

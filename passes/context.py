@@ -18,6 +18,9 @@ class ParamInfo:
     primal: fx.Node  # its placeholder
     grad_output_index: int  # position of its gradient among the joint graph's outputs
     noise_index: int  # which seed of the seeds input its noise uses
+    # tensor parallel: "shard" (this rank holds a slice: squared norms add over the tp group) or
+    # "replicate" (every rank holds all of it: counted once); "" without tensor parallelism
+    tp: str = ""
 
 
 @dataclasses.dataclass
@@ -35,6 +38,7 @@ class DPPassContext:
     compile_reason: str = ""  # dynamo's reason for ending the graph there (for error messages)
     dropped_grad_index: int | None = None  # joint output slot: the dropped-sample count (its input's gradient)
     noise_gate_input_index: int | None = None  # placeholder index of the 0/1 noise factor (dpcompile.accumulate)
+    tp_group: str | None = None  # tensor parallel: the group's name (its collectives in the graph name it)
     # filled by the passes -------------------------------------------------
     batch_size: Any = None
     states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)

@@ -13,7 +13,8 @@ on GPUs it does not fuse a draw into a foreach op that reads it, so one draw
 per parameter is one launch per parameter (149 per step on GPT-2-small,
 measured). Parameters are therefore packed into chunks of at most
 ``CHUNK_NUMEL`` coordinates: one flat draw per chunk (keyed by the seed of its
-first parameter), sliced into the chunk's parameters and added by one
+first parameter; a chunk never mixes tensor-parallel shards, which draw per
+rank, with replicas, which draw the same on every rank), sliced into the chunk's parameters and added by one
 ``_foreach_add`` (Inductor's horizontal kernel). A parameter of at least
 ``CHUNK_NUMEL`` coordinates keeps its own draw, fused into its add, so no
 flat draw is larger than a chunk (128 MiB of fp32 by default). A chunk's draw
@@ -70,10 +71,12 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         if ctx.noise_gate_input_index is not None:  # 0 inside dpcompile.accumulate(): noise once per logical batch
             gate = graph.find_nodes(op="placeholder")[ctx.noise_gate_input_index]
             scale = b.call(aten.mul.Tensor, scale, gate)
-        by_device: dict[torch.device, list[tuple[int, fx.Node, ParamInfo]]] = {}
+        # a chunk's draw comes from its first parameter's stream: a chunk holds parameters of one device and,
+        # under tensor parallelism, one kind (shards draw per rank, replicas the group's shared stream)
+        groups: dict[tuple[torch.device, bool], list[tuple[int, fx.Node, ParamInfo]]] = {}
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
-            by_device.setdefault(outs[i].meta["val"].device, []).append((i, outs[i], pg.param))
+            groups.setdefault((outs[i].meta["val"].device, pg.param.tp == "shard"), []).append((i, outs[i], pg.param))
             ctx.counters["noise_added"] += 1
 
         def draw(numel: int, param: ParamInfo) -> fx.Node:
@@ -90,7 +93,7 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             z = b.call(aten.mul.Tensor, b.view(z, gv.shape), scale)
             return z if gv.dtype == torch.float32 else b.call(prims.convert_element_type.default, z, gv.dtype)
 
-        for group in by_device.values():
+        for group in groups.values():
             for chunk in _chunks(group, chunk_numel):
                 if len(chunk) == 1 and chunk[0][1].meta["val"].numel() >= chunk_numel:
                     i, g, param = chunk[0]

@@ -19,6 +19,7 @@ from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import module_of, op_name
 
 from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, has_collective_reductions,
+                          is_gradient_reduction,
                           is_zero_constant, masked_operand)
 from .context import DPPassContext, ParamInfo
 
@@ -175,7 +176,7 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     raise refuse("this op is applied to the gradient after the sum over samples")
 
 
-def local_terms(g: fx.Node, param: str) -> list[tuple[fx.Node, float]]:
+def local_terms(g: fx.Node, param: str, tp_group: str | None = None) -> list[tuple[fx.Node, float]]:
     """g as a linear combination sum beta * reduce(local) of this rank's pre-reduction gradients.
 
     Walks from the gradient output through what follows the cross-rank
@@ -185,6 +186,8 @@ def local_terms(g: fx.Node, param: str) -> list[tuple[fx.Node, float]]:
     def walk(node, beta):
         t = node.target if isinstance(node, fx.Node) and node.op == "call_function" else None
         if t in COLLECTIVE_REDUCTIONS:
+            if tp_group is not None and node.args[2] == tp_group:
+                raise _partial_over_tp(param, node)
             return [(_innermost_local(node), beta)]
         if t is torch.ops._c10d_functional.wait_tensor.default or t in NORM_PRESERVING or t is aten.slice.Tensor:
             # a slice after the reduction cuts an uneven shard's padding off: this rank's gradient
@@ -214,6 +217,14 @@ def local_terms(g: fx.Node, param: str) -> list[tuple[fx.Node, float]]:
     return found or []
 
 
+def _partial_over_tp(param: str, node: fx.Node) -> DPCompileError:
+    return DPCompileError(
+        f"dp_fsdp: the gradient of parameter '{param}' is summed over the tensor-parallel group (op "
+        f"{op_name(node)} in module {module_of(node)}): each rank holds part of every sample's gradient (a "
+        f"sequence-parallel region, e.g. a norm under SequenceParallel), whose per-sample sum over the group "
+        f"dpcompile does not form yet. Leave that module out of the sequence-parallel plan.")
+
+
 def _innermost_local(reduction: fx.Node) -> fx.Node:
     """The gradient before the first of a chain of reductions (a 2-D mesh reduce-scatters, then all-reduces
     the result across replicas): what reaches ``reduction`` through waits, views and further reductions."""
@@ -235,7 +246,7 @@ def _reaches_a_reduction(g: fx.Node) -> bool:
         if n in seen or not isinstance(n, fx.Node):
             continue
         seen.add(n)
-        if n.op == "call_function" and n.target in COLLECTIVE_REDUCTIONS:
+        if is_gradient_reduction(n):
             return True
         stack.extend(n.all_input_nodes)
     return False
@@ -248,16 +259,20 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
     # one process: no gradient is reduced across ranks, and local_terms' search of every gradient's whole
     # computation for a reduction (once per parameter) would find none
     reduced = has_collective_reductions(gm.graph)
+
+    def locals_of(g, p):
+        return local_terms(g, p.name, ctx.tp_group) if reduced else []
+
     for p in ctx.params:
         g = outs[p.grad_output_index]
         if g is None:
             continue
         if ctx.whole_gradient_mode or ctx.empty_batch:
-            ctx.decompositions[p.name] = ParamGrad(p, g, [], True, local_terms(g, p.name) if reduced else [])
+            ctx.decompositions[p.name] = ParamGrad(p, g, [], True, locals_of(g, p))
             continue
         terms, simple = decompose(g, ctx, p)
         simple = simple and len(terms) == 1
-        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple, local_terms(g, p.name) if reduced else [])
+        ctx.decompositions[p.name] = ParamGrad(p, g, terms, simple, locals_of(g, p))
         ctx.counters["params_decomposed"] += 1
         if len(terms) > 1:
             ctx.counters["params_shared"] += 1

@@ -348,6 +348,34 @@ def _combine(b: GraphBuilder, terms: list[tuple[fx.Node, float]]) -> fx.Node:
     return total
 
 
+def _stack_sum(b: GraphBuilder, sqs: list[fx.Node]) -> fx.Node:
+    if len(sqs) == 1:
+        return sqs[0]
+    return b.call(aten.sum.dim_IntList, b.call(aten.cat.default, [b.call(aten.unsqueeze.default, sq, 0)
+                                                                  for sq in sqs]), [0])
+
+
+def _tp_shard_norms(b: GraphBuilder, graph: fx.Graph, sqs: list[fx.Node], ctx) -> fx.Node:
+    """The all-reduce over the tp group of this rank's shards' [B] squared norms, issued where the last
+    local shard norm exists (its wait goes where the total is needed)."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(sqs, key=position.__getitem__)
+    c10d = torch.ops._c10d_functional
+    with graph.inserting_after(last):
+        b.meta_source = last
+        local = b.f32(_stack_sum(b, sqs))
+        issued = b.call(c10d.all_reduce.default, local, "sum", ctx.tp_group)
+    issued.meta["dp_batch"] = Batched(0)  # one value per sample: not a gradient's reduction
+    ctx.counters["tp_norm_all_reduces"] += 1
+    ctx.summary["tensor_parallel"] = {
+        "group": ctx.tp_group,
+        "sharded_params": sorted(n for n, pg in ctx.decompositions.items() if pg.param.tp == "shard"),
+        "norm_all_reduce": f"{issued.name}: the [B] squared norms of this rank's shards, summed over the group",
+    }
+    b.meta_source = None
+    return issued
+
+
 def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Adds the [B] vector of per-sample squared norms, c and r = c * M * k."""
     graph = gm.graph
@@ -360,6 +388,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
     out = graph.find_nodes(op="output")[0]
     position = {n: i for i, n in enumerate(graph.nodes)}
     per_param: list[fx.Node] = []
+    tp_shards: list[fx.Node] = []  # tensor parallel: squared norms of this rank's slices, to add over the group
     report = ctx.summary.setdefault("params", {})
     for name, pg in ctx.decompositions.items():
         entry = report.setdefault(name, {"shape": list(pg.param.primal.meta["val"].shape)})
@@ -398,8 +427,9 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["norm"] = "materialize"
             entry["why"] = "shared or reshaped gradient: norm of the per-sample sum, computed exactly"
             ctx.counters["norm_materialized_chain"] += 1
-        per_param.append(sq)
-    if not per_param:
+        (tp_shards if pg.param.tp == "shard" else per_param).append(sq)
+    tp_issued = _tp_shard_norms(b, graph, tp_shards, ctx) if tp_shards else None
+    if not per_param and tp_issued is None:
         return gm
     with graph.inserting_before(out):
         b.meta_source = None
@@ -409,9 +439,9 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         # ran the whole input-gradient chain before any norm contraction and every layer's norm operands
         # stayed alive (ghost, GPT-2-small bf16 on an H100: +1.5 GiB; BENCHMARKS.md "What holds ghost's
         # extra memory"). A sum over the stacked dim is a reduction of another shape: it fuses with none.
-        total = per_param[0] if len(per_param) == 1 else \
-            b.call(aten.sum.dim_IntList, b.call(aten.cat.default, [b.call(aten.unsqueeze.default, sq, 0)
-                                                                  for sq in per_param]), [0])
+        if tp_issued is not None:
+            per_param.append(b.call(torch.ops._c10d_functional.wait_tensor.default, tp_issued))
+        total = _stack_sum(b, per_param)
         loss = ctx.loss
         t = b.f32(loss.tangent)
         at = b.call(aten.abs.default, t)

@@ -363,20 +363,52 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["stock_fsdp2"] = "no error"
     except dpcompile.DPCompileError as e:
         results["stock_fsdp2"] = str(e)
-    # tensor parallel (torch's parallelize_module): refused by name until it is supported
+    # tensor parallel: a plain parameter applied to one rank's shard of an activation has only part of each
+    # sample's gradient on every rank: refused, naming it
     torch._dynamo.reset()
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model, loss_fn, vocab = make("gpt")
-    parallelize_module(model.blocks[0], mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    torch.manual_seed(0)
+    model = _GatedMLPLM()
+    parallelize_module(model.mlp, mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+
+    def gated_step(ids, y):
+        loss = M.seq_ce(model(ids), y).mean()
+        loss.backward()
+        return loss.detach()
+
     try:
-        torch.compile(step, backend=backend)(ids, ids)
-        results["tensor_parallel"] = "no error"
+        torch.compile(gated_step, backend=backend)(ids, ids)
+        results["tensor_parallel_partial"] = "no error"
     except (ValueError, dpcompile.DPCompileError) as e:
-        results["tensor_parallel"] = str(e)
+        results["tensor_parallel_partial"] = str(e)
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
+
+
+class _GatedMLP(torch.nn.Module):
+    """An MLP whose hidden activation is scaled by a plain learned gate."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, 2 * d)
+        self.out = torch.nn.Linear(2 * d, d)
+        self.gate = torch.nn.Parameter(torch.ones(1) * 1.5)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.gelu(self.fc(x)) * self.gate)
+
+
+class _GatedMLPLM(torch.nn.Module):
+    def __init__(self, vocab=13, d=8):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.mlp = _GatedMLP(d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.head(self.mlp(self.tok(ids)))
 
 
 class _Batch:
@@ -584,4 +616,76 @@ def checkpoint_resume(rank, world, init_file, out_dir):
         error = traceback.format_exc()[-4000:]
     with open(os.path.join(out_dir, f"ckpt{rank}.json"), "w") as f:
         json.dump({"error": error}, f)
+    dist.destroy_process_group()
+
+
+def _tp_plan(case):
+    """(the modules to parallelize, torch's plan for each): Colwise in, Rowwise out, as torchtitan does."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if case == "gpt":  # the MLP (the fused qkv splits by width: not a tensor-parallel attention)
+        return lambda m: list(m.blocks), {"fc": ColwiseParallel(), "out": RowwiseParallel()}
+    if case == "llama":  # attention and MLP
+        return lambda m: [m.block], {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+                                     "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                     "w2": RowwiseParallel()}
+    raise ValueError(case)
+
+
+def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
+    """TP over all ranks (one 1-D mesh, the same batch on every rank): gathered gradients equal the float64
+    oracle's; then with noise: replicas (plain and Replicate parameters) draw the same noise on every rank,
+    shards their own."""
+    import json
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = _init(rank, world, init_file)
+    model, loss_fn, vocab = make(case)
+    ref_model = copy.deepcopy(model)
+    B = 4
+    ids = torch.randint(0, vocab, (B, 6), generator=torch.Generator().manual_seed(1))
+    _, norms = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=B)
+    C = float(norms.median())
+    ebs = B + 1
+    ref, _ = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=ebs)
+    modules, plan = _tp_plan(case)
+    for m in modules(model):
+        parallelize_module(m, mesh, plan)
+
+    def step(x, y):
+        loss = loss_fn(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs, schedule=schedule,
+                                  compiler=compiler)
+    torch.compile(step, backend=backend)(ids, ids)
+    sharded = []
+    for name, p in model.named_parameters():
+        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(full.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        if isinstance(p, DTensor) and p.placements[0].is_shard():
+            sharded.append(name)
+    rec = [r for r in backend.compiled if r.dp][0]
+    # the backward's ops between the norm all-reduce (a [B] vector) and its wait: what it runs under
+    ops = rec.ops["backward"]
+    issue = next(i for i, (op, shape) in enumerate(ops) if "all_reduce" in op and shape == (B,))
+    wait = next(i for i in range(issue, len(ops)) if "wait_tensor" in ops[i][0] and ops[i][1] == (B,))
+    clean = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for n, p in model.named_parameters()}
+
+    sigma = 2.0
+    torch._dynamo.reset()
+    noisy = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=ebs, schedule=schedule,
+                                compiler=compiler)  # no seed: the ranks take rank 0's
+    model.zero_grad(set_to_none=True)
+    torch.compile(step, backend=noisy)(ids, ids)
+    noise = {n: ((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) - clean[n]).flatten().tolist()
+             for n, p in model.named_parameters()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"counters": dict(rec.counters), "tp_summary": rec.summary.get("tensor_parallel"),
+                   "under_norm_all_reduce": [op for op, _ in ops[issue + 1:wait]],
+                   "sharded": sharded, "noise": noise, "std": sigma * C / ebs}, f)
     dist.destroy_process_group()

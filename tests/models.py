@@ -206,10 +206,13 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x):
         B, T, D = x.shape
+        hd = D // self.n_head
         h = self.attn_norm(x)
-        q, k, v = (w(h).view(B, T, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        # heads counted from the projections' width: under tensor parallelism (ColwiseParallel wq/wk/wv)
+        # each rank holds n_head / tp of them
+        q, k, v = (w(h).view(B, T, -1, hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = rotary(q), rotary(k)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
         x = x + self.wo(a)
         h = self.mlp_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))

@@ -199,7 +199,7 @@ def test_noise_on_shards_two_ranks(tmp_path):
     assert abs(r) < 4.5 / a.numel() ** 0.5, r
 
 
-def test_partially_sharded_two_mesh_stock_fsdp2_or_tensor_parallel_model_is_refused(tmp_path):
+def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model_is_refused(tmp_path):
     spawn(dist_worker.bad_inputs, str(tmp_path))
     for rep in _read(tmp_path, prefix="bad"):
         assert "not sharded" in rep["partial"] and "fully_shard" in rep["partial"], rep
@@ -208,9 +208,9 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_tensor_parallel_model_is_refu
         # a model wrapped with torch.distributed.fsdp.fully_shard: refused, saying why and what to use
         assert "only part of the training step" in rep["stock_fsdp2"], rep
         assert "FSDP2" in rep["stock_fsdp2"] and "dpcompile.fully_shard" in rep["stock_fsdp2"], rep
-        # parallelize_module's DTensors: named, with their placements, and refused as tensor parallel
-        assert "Tensor-parallel parameters" in rep["tensor_parallel"], rep
-        assert "blocks.0.fc.weight: placements (Shard(dim=0),)" in rep["tensor_parallel"], rep
+        # tensor parallel: a plain gate on a ColwiseParallel output has part of each sample's gradient per rank
+        assert "parameter 'mlp.gate' is the same on every rank" in rep["tensor_parallel_partial"], rep
+        assert "one rank's shard" in rep["tensor_parallel_partial"], rep
 
 
 def test_distributed_checkpoint_resume_matches_uninterrupted_run(tmp_path):

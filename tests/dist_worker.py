@@ -377,8 +377,9 @@ def bad_inputs(rank, world, init_file, out_dir):
         loss.backward()
         return loss.detach()
 
+    tp_ids = ids.clone()  # not the tensor the sharded steps above marked with an unbacked batch size
     try:
-        torch.compile(gated_step, backend=backend)(ids, ids)
+        torch.compile(gated_step, backend=backend)(tp_ids, tp_ids)
         results["tensor_parallel_partial"] = "no error"
     except (ValueError, dpcompile.DPCompileError) as e:
         results["tensor_parallel_partial"] = str(e)

@@ -499,6 +499,7 @@ class DPBackend:
             distributed=any(gi.sharded or gi.tp for gi in inputs))
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
+        aot_cache = key is not None
 
         def not_donated(n: int) -> None:
             record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n

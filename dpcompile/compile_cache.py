@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 import torch
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 _SIMPLE = (int, float, str, bool, type(None), torch.dtype)
 
@@ -94,9 +95,11 @@ def _tracing() -> bool:
         return True
 
 
-def record_key(partitioner_uuid: str, gm: torch.fx.GraphModule, example_inputs) -> str:
-    """Names the record of one compile: the partitioner key, the Dynamo graph's code and its inputs'
-    metadata (the AOTAutograd cache keys the same things, and more)."""
+def record_key(partitioner_uuid: str, gm: torch.fx.GraphModule, example_inputs) -> str | None:
+    """Names the record of one compile by what the AOTAutograd cache keys it by: the partitioner key, the
+    Dynamo graph with its inputs' symbolic shapes, strides and devices (an unbacked batch and a fixed one
+    give different graphs from the same tensors), the inputs, and Inductor's and functorch's configs. None
+    when they cannot be hashed: that compile skips the cache."""
     metas = []
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
@@ -104,7 +107,29 @@ def record_key(partitioner_uuid: str, gm: torch.fx.GraphModule, example_inputs) 
                           x.requires_grad))
         else:
             metas.append(repr(x))
-    return hashlib.sha256(repr((partitioner_uuid, gm.code, metas)).encode()).hexdigest()
+    try:
+        graph = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+        configs = _canonical((torch._inductor.config.save_config_portable(),
+                              torch._functorch.config.save_config_portable()))
+    except Exception:  # noqa: BLE001
+        return None
+    if " at 0x" in configs:  # an object printed by address: not the same in the next process
+        return None
+    return hashlib.sha256(repr((partitioner_uuid, graph, metas, configs)).encode()).hexdigest()
+
+
+def _canonical(v: Any) -> str:
+    """A repr that is the same in every process: dict items and set members sorted (string hashing, and so
+    set order, differs per process)."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(sorted(f"{_canonical(k)}: {_canonical(x)}" for k, x in v.items())) + "}"
+    if isinstance(v, (set, frozenset)):
+        return "{" + ", ".join(sorted(_canonical(x) for x in v)) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_canonical(x) for x in v) + "]"
+    if isinstance(v, CustomPartitionerFn):
+        return v.uuid() or "None"
+    return repr(v)
 
 
 def _records_dir() -> pathlib.Path:
@@ -116,6 +141,18 @@ def _records_dir() -> pathlib.Path:
 RECORDED = ("graphs", "ops", "counters", "summary")
 
 
+def _plain(v: Any) -> Any:
+    """v with every value that is not a plain Python one (a symbolic size, an op) as its text: what a later
+    process can read back without this compile's shape environment."""
+    if isinstance(v, dict):
+        return {_plain(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    if isinstance(v, (int, float, str, bool, type(None))) and type(v) in (int, float, str, bool, type(None)):
+        return v
+    return str(v)
+
+
 def save_record(key: str, record) -> None:
     """Best effort: a record that cannot be written only leaves a later hit without it."""
     try:
@@ -123,7 +160,7 @@ def save_record(key: str, record) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f"{key}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump({k: getattr(record, k) for k in RECORDED}, f)
+            pickle.dump({k: _plain(getattr(record, k)) for k in RECORDED}, f)
         os.replace(tmp, folder / f"{key}.pkl")
     except Exception:  # noqa: BLE001
         pass

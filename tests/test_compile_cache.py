@@ -73,3 +73,44 @@ def test_the_key_holds_every_dp_option_and_module_setting(monkeypatch):
         assert setting in names, setting
     monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", 3)
     assert compile_cache.partitioner_key(DPConfig(max_grad_norm=1.0, noise_multiplier=1.0)) != base
+
+
+_RESTART = r"""
+import json, sys
+import torch, dpcompile
+sys.path.insert(0, sys.argv[1])
+import models as M
+from helpers import compile_step
+torch.manual_seed(0)
+model = M.MLP()
+x, y = torch.randn(4, 5) * 3, torch.randint(0, 3, (4,))
+dpcompile.mark_batch(x, y)  # an unbacked batch: symbolic sizes in the record
+step, backend = compile_step(model, M.ce, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4)
+step((x,), (y,))
+(rec,) = [r for r in backend.compiled if r.dp]
+print(json.dumps({"cache": rec.cache, "counters": rec.counters, "graphs": sorted(rec.graphs),
+                  "grads": [p.grad.flatten().tolist() for p in model.parameters()]}))
+"""
+
+
+def test_a_new_process_reads_back_the_record_of_the_compile_that_filled_the_cache(tmp_path):
+    """Across processes (string hashing differs per process) and with symbolic sizes in the record."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    tests = os.path.dirname(__file__)
+    runs = []
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", _RESTART, tests], env={**env, "PYTHONHASHSEED": seed},
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, again = runs
+    assert first["cache"] == "miss" and again["cache"] == "hit", (first["cache"], again["cache"])
+    assert again["counters"] == first["counters"] and first["counters"]["clip_coefficients"] == 1
+    assert "joint_graph_before_dp" in again["graphs"] and again["graphs"] == first["graphs"]
+    assert again["grads"] == first["grads"]

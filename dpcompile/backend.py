@@ -32,7 +32,8 @@ from dpcompile.passes.cleanup import finalize
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.step_split import Split, describe_split, split_error_text
-from dpcompile.tensor_parallel import TPMesh, allow_dtensor_gradients_in_dynamo, is_tp_dtensor, tp_mesh, tp_placement
+from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes, is_tp_dtensor,
+                                       tp_mesh, tp_placement)
 
 SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
 
@@ -153,11 +154,7 @@ def check_sharding(inputs: list[GraphInput], example_inputs) -> TPMesh | None:
             f"apply dpcompile.fully_shard to every block and then to the root module (it shards whatever "
             f"parameters are left), so each gradient is reduced across ranks exactly once"
         )
-    # by value: equal meshes built twice (or copied by tracing) are one mesh
-    meshes: list[tuple[str, Any]] = []
-    for gi, ex in sharded:
-        if not any(ex.device_mesh == mesh for _, mesh in meshes):
-            meshes.append((gi.name, ex.device_mesh))
+    meshes = distinct_meshes([(gi.name, ex) for gi, ex in sharded])
     if len(meshes) > 1:
         desc = "; ".join(f"{name} on {mesh}" for name, mesh in meshes)
         raise DPValueError(f"dp_fsdp: parameters live on different device meshes ({desc}); shard all of them "

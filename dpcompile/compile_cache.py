@@ -148,7 +148,7 @@ def _plain(v: Any) -> Any:
         return {_plain(k): _plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return type(v)(_plain(x) for x in v)
-    if isinstance(v, (int, float, str, bool, type(None))) and type(v) in (int, float, str, bool, type(None)):
+    if type(v) in (int, float, str, bool, type(None)):  # exact types: a SymInt or a str subclass becomes text
         return v
     return str(v)
 

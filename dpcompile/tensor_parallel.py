@@ -22,9 +22,7 @@ from dpcompile.errors import DPCompileError
 @dataclasses.dataclass(frozen=True)
 class TPMesh:
     group: str  # the process group's name: the graph's collectives name it
-    size: int
     rank: int  # this rank's coordinate on the tp mesh
-    desc: str
 
 
 def is_tp_dtensor(t: Any) -> bool:
@@ -49,18 +47,25 @@ def tp_placement(t: Any) -> str:
     return ""
 
 
-def tp_mesh(params: list[tuple[str, Any]]) -> TPMesh:
-    """The one 1-D mesh every tensor-parallel parameter lives on."""
+def distinct_meshes(params: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """(first parameter's name, mesh) for each device mesh of the DTensor parameters, compared by value:
+    equal meshes built twice (or copied by tracing) are one mesh."""
     meshes: list[tuple[str, Any]] = []
     for name, t in params:
         if not any(t.device_mesh == m for _, m in meshes):
             meshes.append((name, t.device_mesh))
+    return meshes
+
+
+def tp_mesh(params: list[tuple[str, Any]]) -> TPMesh:
+    """The one 1-D mesh every tensor-parallel parameter lives on."""
+    meshes = distinct_meshes(params)
     if len(meshes) > 1:
         desc = "; ".join(f"{n} on {m}" for n, m in meshes)
         raise DPCompileError(f"dp_fsdp: tensor-parallel parameters live on different device meshes ({desc}); "
                              f"parallelize the model over one tensor-parallel mesh")
     mesh = meshes[0][1]
-    return TPMesh(group=mesh.get_group().group_name, size=mesh.size(), rank=mesh.get_local_rank(), desc=str(mesh))
+    return TPMesh(group=mesh.get_group().group_name, rank=mesh.get_local_rank())
 
 
 def allow_dtensor_gradients_in_dynamo() -> None:

@@ -30,8 +30,6 @@ def _rank_local(gm: fx.GraphModule, ctx: DPPassContext) -> set[fx.Node]:
             continue
         if n.target is c10d.all_reduce.default and n.args[2] == ctx.tp_group:
             continue  # the group's sum: the same on every rank
-        if n.target is c10d.wait_tensor.default and n.args[0] not in local:
-            continue
         if any(a in local for a in n.all_input_nodes):
             local.add(n)
     return local

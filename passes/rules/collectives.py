@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..batch_state import Batched
-
 _C10D = torch.ops._c10d_functional
+
 
 def _all_reduce(an, node):
     x, op, group = node.args[0], node.args[1], node.args[2]
@@ -27,8 +26,10 @@ def _all_reduce(an, node):
                               f"pieces of a sample are proven per-sample")
     return s
 
+
 def _wait(an, node):
     return an.st(node.args[0])
+
 
 RULES = {
     _C10D.all_reduce: _all_reduce,

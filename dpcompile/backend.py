@@ -32,8 +32,8 @@ from dpcompile.passes.cleanup import finalize
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.step_split import Split, describe_split, split_error_text
-from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes, is_tp_dtensor,
-                                       tp_mesh, tp_placement)
+from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes,
+                                       gradient_placements, is_tp_dtensor, placement_kind, tp_mesh, tp_placement)
 
 SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
 
@@ -280,6 +280,7 @@ class DPPartitioner(CustomPartitionerFn):
         params, data, reshard = [], {}, set()
         inputs = self.record.inputs
         ordinal = {gi.index: k for gi, k in _param_ordinals(inputs)}
+        grad_kind = self._tp_gradient_kinds(inputs) if self.tp is not None else {}
         for gi in inputs:
             node = by_index.get(gi.index)
             if node is None:
@@ -293,8 +294,7 @@ class DPPartitioner(CustomPartitionerFn):
                 # the seed of the parameter's ordinal: the same on every rank (an input's position is not:
                 # ranks' graphs may differ in their symbolic-size inputs), known before the passes run
                 # (tensor-parallel replicas pick their stream by it, NoiseSeeds.index_ranks)
-                params.append(ParamInfo(gi.name, node, j, ordinal[gi.index],
-                                        tp=gi.tp or ("replicate" if self.tp else "")))
+                params.append(ParamInfo(gi.name, node, j, ordinal[gi.index], tp=grad_kind.get(gi.index, "")))
             elif gi.kind == "data":
                 data[node] = (gi.name, gi.batch_dim)
         seeds_pos = len(inputs)
@@ -310,9 +310,44 @@ class DPPartitioner(CustomPartitionerFn):
             sharded=any(gi.sharded for gi in inputs), split_step=self.split,
             compile_reason=self.record.compile_reason,
             tp_group=self.tp.group if self.tp is not None else None,
+            tp_rank=self.tp.rank if self.tp is not None else 0,
+            # tensor parallel: the placeholders whose values differ across the group (shards, frozen ones too)
+            tp_local_primals={by_index[gi.index] for gi in inputs if gi.tp == "shard" and gi.index in by_index},
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx
+
+
+    def _tp_gradient_kinds(self, inputs: list[GraphInput]) -> dict[int, str]:
+        """Tensor parallel: input index -> what each trainable parameter's gradient is on this rank ("shard",
+        "replicate", "partial"; tensor_parallel's docstring), from the placement DTensor gave the gradient
+        (not the parameter's: a RowwiseParallel embedding is Shard(0) with a Replicate gradient). Shards draw
+        noise from this rank's stream, the rest from the group's shared one (NoiseSeeds.index_ranks)."""
+        placements = gradient_placements()
+        kinds: dict[int, str] = {}
+        for gi in inputs:
+            if gi.kind != "param":
+                continue
+            if not gi.tp:
+                kinds[gi.index] = "replicate"  # a plain parameter: the whole gradient on every rank (checked)
+                continue
+            if placements is None:
+                raise DPCompileError(
+                    f"dp_fsdp: cannot read the placements DTensor gave the tensor-parallel gradients from this "
+                    f"torch version's AOTAutograd (torch {torch.__version__}), so '{gi.name}' cannot be "
+                    f"classified as a shard, a replica or a partial sum of its gradient; use torch 2.11 or 2.13")
+            pl = placements.get(gi.index)
+            kind = placement_kind(pl)
+            if not kind:
+                raise DPCompileError(
+                    f"dp_fsdp: the gradient of tensor-parallel parameter '{gi.name}' has placements {pl} "
+                    f"(the parameter: {gi.tp}); dpcompile takes Shard(d), Replicate and Partial(sum) gradients "
+                    f"on a 1-D mesh")
+            kinds[gi.index] = kind
+        ordinals = dict((gi.index, k) for gi, k in _param_ordinals(inputs))
+        self.backend.noise.index_ranks = {ordinals[i]: (self.tp.rank if kind == "shard" else 0)
+                                          for i, kind in kinds.items()}
+        return kinds
 
 
 _COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gathers", "reduce_scatter_tensor": "reduce_scatters",
@@ -466,9 +501,9 @@ class DPBackend:
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second
         self.noise.rank = _noise_rank(inputs, example_inputs)
         # tensor parallel: a shard's noise comes from this rank's stream, a replica's from one stream that
-        # every rank of the group shares (replicas stay equal; each coordinate gets one draw)
-        self.noise.index_ranks = {k: (tp.rank if gi.tp == "shard" else 0)
-                                  for gi, k in _param_ordinals(inputs)} if tp is not None else {}
+        # every rank of the group shares (replicas stay equal; each coordinate gets one draw); set by the
+        # partitioner from the gradients' placements (DPPartitioner._tp_gradient_kinds)
+        self.noise.index_ranks = {}
         record = CompiledStep(compile_id, inputs)
         self.compiled.append(record)
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())

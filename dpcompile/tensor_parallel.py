@@ -1,13 +1,22 @@
 """Tensor parallelism (torch's ``parallelize_module``) on a 1-D mesh: which parameters are shards, which replicas.
 
-Every rank of the tensor-parallel (tp) group runs the same batch. A
-parameter sharded by ColwiseParallel / RowwiseParallel (a DTensor with
-placement ``Shard(d)``) gets on each rank the per-sample gradient of its own
-slice: squared norms add over the group. Every other trainable parameter (a
-``Replicate`` DTensor such as a RowwiseParallel bias, or a plain tensor: norms,
-embeddings, heads) is the same on every rank and gets the whole per-sample
-gradient there: counted once. The dp passes check both claims on the graph
-(passes/tensor_parallel.py) and refuse what they cannot prove.
+Every rank of the tensor-parallel (tp) group runs the same batch. What a
+parameter's gradient on a rank means is its DTensor placement, which DTensor
+chooses while AOTAutograd traces the backward (it need not be the
+parameter's: a RowwiseParallel embedding's weight is ``Shard(0)`` and its
+gradient ``Replicate``), so it is read from AOTAutograd's record of the traced
+gradients (``gradient_placements``):
+
+- ``Shard(d)``: this rank holds a disjoint slice of every sample's gradient;
+  squared norms add over the group.
+- ``Replicate`` (and a plain parameter): every rank holds the whole gradient;
+  counted once. passes/tensor_parallel.py checks that it reads nothing one
+  rank holds alone.
+- ``Partial(sum)`` (a norm under SequenceParallel, a bias added to a
+  sequence shard): this rank holds its tokens' part of every sample's
+  gradient and the gradient is the sum over the group, so the per-sample
+  gradients themselves are summed over the group before their norm (the norm
+  of a sum is not the sum of norms).
 """
 from __future__ import annotations
 
@@ -45,6 +54,65 @@ def tp_placement(t: Any) -> str:
     if type(p) is Replicate:
         return "replicate"
     return ""
+
+
+def placement_kind(placements: Any) -> str:
+    """"shard", "replicate" or "partial" (a sum) for a 1-D DTensor placement; "" for anything else."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if placements is None or len(placements) != 1:
+        return ""
+    (p,) = placements
+    if type(p) is Shard:
+        return "shard"
+    if type(p) is Replicate:
+        return "replicate"
+    if type(p) is Partial and getattr(p, "reduce_op", "sum") == "sum":
+        return "partial"
+    return ""
+
+
+def _dtensor_placements(meta: Any) -> Any:
+    """The placements recorded in a DTensor's flatten metadata: (placements, tensor meta, shard order,
+    requires_grad) on torch 2.13, (DTensorSpec, requires_grad) on older versions; None if neither."""
+    from torch.distributed.tensor.placement_types import Placement
+
+    if not isinstance(meta, tuple) or not meta:
+        return None
+    first = meta[0]
+    if hasattr(first, "placements"):
+        return tuple(first.placements)
+    if isinstance(first, tuple) and all(isinstance(p, Placement) for p in first):
+        return first
+    return None
+
+
+def gradient_placements() -> dict[int, Any] | None:
+    """Input index -> placements of its gradient as DTensor made it while AOTAutograd traced the joint graph
+    (None for a gradient that is no DTensor); None when that record cannot be found.
+
+    AOTAutograd keeps them in the ``SubclassMeta`` it traced the joint with (``grad_input_metas``, one entry
+    per input of the compiled graph) to rebuild the gradients' DTensors at run time, and hands the
+    partitioner only the plain graph; the record is read from the caller's frames (the partition step holds
+    it as ``maybe_subclass_meta``), which private-API churn may move: then the caller refuses what it cannot
+    classify rather than guess."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        meta = frame.f_locals.get("maybe_subclass_meta")
+        metas = getattr(meta, "grad_input_metas", None)
+        if metas is not None:
+            out: dict[int, Any] = {}
+            for i, m in enumerate(metas):
+                sub = getattr(m, "original_subclass", None)
+                from torch.distributed.tensor import DTensor
+
+                is_dtensor = isinstance(sub, DTensor) or getattr(m, "type", None) is DTensor
+                out[i] = _dtensor_placements(getattr(m, "meta", None)) if is_dtensor else None
+            return out
+        frame = frame.f_back
+    return None
 
 
 def distinct_meshes(params: list[tuple[str, Any]]) -> list[tuple[str, Any]]:

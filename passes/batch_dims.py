@@ -130,6 +130,9 @@ class BatchDimAnalysis:
                 self.states[node] = self._state(node)
             elif node.op == "output":
                 pass
+            elif node.op == "get_attr":
+                # a constant the graph module holds (DTensor's masked embedding keeps one): no sample data
+                self.states[node] = FREE
             else:
                 raise self.refuse(node, f"unsupported FX node kind {node.op}")
         ctx.states = self.states

@@ -18,8 +18,9 @@ class ParamInfo:
     primal: fx.Node  # its placeholder
     grad_output_index: int  # position of its gradient among the joint graph's outputs
     noise_index: int  # which seed of the seeds input its noise uses
-    # tensor parallel: "shard" (this rank holds a slice: squared norms add over the tp group) or
-    # "replicate" (every rank holds all of it: counted once); "" without tensor parallelism
+    # tensor parallel, what its gradient on this rank is (the placement DTensor gave it): "shard" (a slice:
+    # squared norms add over the tp group), "replicate" (all of it: counted once) or "partial" (this rank's
+    # part of a sum over the group: per-sample gradients summed before the norm); "" without tensor parallelism
     tp: str = ""
 
 
@@ -39,6 +40,8 @@ class DPPassContext:
     dropped_grad_index: int | None = None  # joint output slot: the dropped-sample count (its input's gradient)
     noise_gate_input_index: int | None = None  # placeholder index of the 0/1 noise factor (dpcompile.accumulate)
     tp_group: str | None = None  # tensor parallel: the group's name (its collectives in the graph name it)
+    tp_rank: int = 0  # this rank's coordinate in the tp group
+    tp_local_primals: set = dataclasses.field(default_factory=set)  # placeholders that differ across the group
     # filled by the passes -------------------------------------------------
     batch_size: Any = None
     states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)

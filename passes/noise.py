@@ -14,7 +14,8 @@ per parameter is one launch per parameter (149 per step on GPT-2-small,
 measured). Parameters are therefore packed into chunks of at most
 ``CHUNK_NUMEL`` coordinates: one flat draw per chunk (keyed by the seed of its
 first parameter; a chunk never mixes tensor-parallel shards, which draw per
-rank, with replicas, which draw the same on every rank), sliced into the chunk's parameters and added by one
+rank, with replicas, which draw the same on every rank; a gradient summed over the tp group gets its draw on
+tp rank 0 only), sliced into the chunk's parameters and added by one
 ``_foreach_add`` (Inductor's horizontal kernel). A parameter of at least
 ``CHUNK_NUMEL`` coordinates keeps its own draw, fused into its add, so no
 flat draw is larger than a chunk (128 MiB of fp32 by default). A chunk's draw
@@ -72,11 +73,19 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             gate = graph.find_nodes(op="placeholder")[ctx.noise_gate_input_index]
             scale = b.call(aten.mul.Tensor, scale, gate)
         # a chunk's draw comes from its first parameter's stream: a chunk holds parameters of one device and,
-        # under tensor parallelism, one kind (shards draw per rank, replicas the group's shared stream)
-        groups: dict[tuple[torch.device, bool], list[tuple[int, fx.Node, ParamInfo]]] = {}
+        # under tensor parallelism, one kind (shards draw per rank, replicas the group's shared stream,
+        # partial sums on tp rank 0 only). Replicas' chunks must be laid out alike on every rank: a draw's
+        # values at an offset depend on its length (Inductor's vectorised tail), so partial sums, which only
+        # rank 0 draws for, never share a chunk with them
+        groups: dict[tuple[torch.device, str], list[tuple[int, fx.Node, ParamInfo]]] = {}
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
-            groups.setdefault((outs[i].meta["val"].device, pg.param.tp == "shard"), []).append((i, outs[i], pg.param))
+            if pg.param.tp == "partial" and ctx.tp_rank != 0:
+                # a gradient summed over the tp group (DTensor's Partial): rank 0's part carries its noise,
+                # so the sum gets exactly one draw per coordinate
+                ctx.counters["noise_left_to_tp_rank_0"] += 1
+                continue
+            groups.setdefault((outs[i].meta["val"].device, pg.param.tp), []).append((i, outs[i], pg.param))
             ctx.counters["noise_added"] += 1
 
         def draw(numel: int, param: ParamInfo) -> fx.Node:

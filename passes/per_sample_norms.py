@@ -355,25 +355,55 @@ def _stack_sum(b: GraphBuilder, sqs: list[fx.Node]) -> fx.Node:
                                                                   for sq in sqs]), [0])
 
 
-def _tp_shard_norms(b: GraphBuilder, graph: fx.Graph, sqs: list[fx.Node], ctx) -> fx.Node:
-    """The all-reduce over the tp group of this rank's shards' [B] squared norms, issued where the last
-    local shard norm exists (its wait goes where the total is needed)."""
+def _tp_norm_all_reduce(b: GraphBuilder, graph: fx.Graph, shard_sqs: list[fx.Node], partials: list[fx.Node],
+                        ctx) -> fx.Node:
+    """The one all-reduce over the tp group per step, issued where the last of its operands exists (its wait
+    goes where the total is needed): column 0 the [B] squared norms of this rank's shards, then the
+    [B, n] per-sample gradients of the parameters whose gradient is a sum over the group (DTensor's
+    Partial: the group's sum of a sample's parts is the sample's gradient, and its norm the norm of that
+    sum, not a sum of norms)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
-    last = max(sqs, key=position.__getitem__)
+    last = max(shard_sqs + partials, key=position.__getitem__)
     c10d = torch.ops._c10d_functional
     with graph.inserting_after(last):
         b.meta_source = last
-        local = b.f32(_stack_sum(b, sqs))
-        issued = b.call(c10d.all_reduce.default, local, "sum", ctx.tp_group)
-    issued.meta["dp_batch"] = Batched(0)  # one value per sample: not a gradient's reduction
+        shards = b.f32(_stack_sum(b, shard_sqs)) if shard_sqs else None
+        if not partials:
+            packed = shards  # [B]
+        else:
+            cols = ([b.call(aten.unsqueeze.default, shards, 1)] if shards is not None else []) + partials
+            packed = cols[0] if len(cols) == 1 else b.call(aten.cat.default, cols, 1)
+        issued = b.call(c10d.all_reduce.default, packed, "sum", ctx.tp_group)
+    issued.meta["dp_batch"] = Batched(0)  # one row per sample: not a gradient's reduction
     ctx.counters["tp_norm_all_reduces"] += 1
+    width = packed.meta["val"].shape[1] if partials else 1
     ctx.summary["tensor_parallel"] = {
         "group": ctx.tp_group,
         "sharded_params": sorted(n for n, pg in ctx.decompositions.items() if pg.param.tp == "shard"),
-        "norm_all_reduce": f"{issued.name}: the [B] squared norms of this rank's shards, summed over the group",
+        "partial_params": sorted(n for n, pg in ctx.decompositions.items() if pg.param.tp == "partial"),
+        "norm_all_reduce": f"{issued.name}: " + (f"[B, {width}] fp32, " if partials else "[B] fp32, ")
+                           + (("column 0 " if partials else "") + "the squared norms of this rank's shards, "
+                              if shard_sqs else "")
+                           + (f"{width - bool(shard_sqs)} columns of partial per-sample gradients "
+                              f"(norms taken after the sum), " if partials else "")
+                           + "summed over the group",
     }
     b.meta_source = None
     return issued
+
+
+def _tp_norm_terms(b: GraphBuilder, issued: fx.Node, has_shards: bool, has_partials: bool) -> list[fx.Node]:
+    """[B] squared-norm terms out of the all-reduce's result (waited here)."""
+    red = b.call(torch.ops._c10d_functional.wait_tensor.default, issued)
+    if not has_partials:
+        return [red]
+    terms = []
+    if has_shards:
+        terms.append(b.call(aten.select.int, red, 1, 0))
+    if has_partials:
+        part = b.call(aten.slice.Tensor, red, 1, 1, None) if has_shards else red
+        terms.append(b.sq_sum_per_sample(part))
+    return terms
 
 
 def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
@@ -389,20 +419,38 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
     position = {n: i for i, n in enumerate(graph.nodes)}
     per_param: list[fx.Node] = []
     tp_shards: list[fx.Node] = []  # tensor parallel: squared norms of this rank's slices, to add over the group
+    tp_partials: list[fx.Node] = []  # ... and [B, n] per-sample parts of gradients summed over the group
     report = ctx.summary.setdefault("params", {})
     for name, pg in ctx.decompositions.items():
         entry = report.setdefault(name, {"shape": list(pg.param.primal.meta["val"].shape)})
         locals_ = pg.local_terms
         anchor = max((n for n, _ in locals_), key=position.__getitem__)  # after every local gradient
+        partial = pg.param.tp == "partial"
         if ctx.whole_gradient_mode:
             with graph.inserting_after(anchor):
                 b.meta_source = anchor
                 whole = _combine(b, [(b.view(n, [1, -1]), beta) for n, beta in locals_])
-                sq = b.sq_sum_per_sample(whole)
+                if partial:
+                    tp_partials.append(b.f32(whole))
+                else:
+                    per_param.append(b.sq_sum_per_sample(whole))
             entry["decomposition"] = "batch of one sample: the per-sample gradient is the gradient"
-            entry["norm"] = "materialize (whole gradient)"
+            entry["norm"] = "materialize (whole gradient)" + (", summed over the tp group first" if partial else "")
             ctx.counters["norm_whole_gradient"] += 1
-            per_param.append(sq)
+            continue
+        if partial:
+            # this rank's part of each sample's gradient, [B, n]: summed over the group before the norm
+            with graph.inserting_after(anchor):
+                b.meta_source = anchor
+                memo = {}
+                full = _combine(b, [(_replay(b, nb, n, pg, memo), beta) for n, beta in locals_])
+                n = pg.param.primal.meta["val"].numel()
+                tp_partials.append(b.f32(b.reshape(full, [ctx.batch_size, n])))
+            entry["decomposition"] = (f"{len(pg.terms)} contribution(s) ({'+'.join(c.kind for c, _ in pg.terms)}), "
+                                      f"this rank's part of a sum over the tensor-parallel group (Partial)")
+            entry["norm"] = "materialize, summed over the tp group"
+            entry["why"] = "the norm of a sum over ranks is not the sum of their norms"
+            ctx.counters["norm_tp_partial"] += 1
             continue
         if pg.norm_preserving:
             c, alpha = pg.terms[0]
@@ -428,7 +476,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["why"] = "shared or reshaped gradient: norm of the per-sample sum, computed exactly"
             ctx.counters["norm_materialized_chain"] += 1
         (tp_shards if pg.param.tp == "shard" else per_param).append(sq)
-    tp_issued = _tp_shard_norms(b, graph, tp_shards, ctx) if tp_shards else None
+    tp_issued = _tp_norm_all_reduce(b, graph, tp_shards, tp_partials, ctx) if tp_shards or tp_partials else None
     if not per_param and tp_issued is None:
         return gm
     with graph.inserting_before(out):
@@ -440,7 +488,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         # stayed alive (ghost, GPT-2-small bf16 on an H100: +1.5 GiB; BENCHMARKS.md "What holds ghost's
         # extra memory"). A sum over the stacked dim is a reduction of another shape: it fuses with none.
         if tp_issued is not None:
-            per_param.append(b.call(torch.ops._c10d_functional.wait_tensor.default, tp_issued))
+            per_param += _tp_norm_terms(b, tp_issued, bool(tp_shards), bool(tp_partials))
         total = _stack_sum(b, per_param)
         loss = ctx.loss
         t = b.f32(loss.tangent)

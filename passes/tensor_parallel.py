@@ -1,14 +1,17 @@
-"""Tensor parallelism: prove that a replicated parameter's gradient on each rank is its whole gradient.
+"""Tensor parallelism: prove that a replicated gradient on each rank is the whole gradient.
 
-dpcompile counts a parameter that every rank of the tensor-parallel group
-holds in full (a ``Replicate`` DTensor, a plain tensor) once, on the claim that
-each rank computes all of its per-sample gradient. That fails where such a
-parameter meets one rank's shard of an activation (a plain scale applied to a
-ColwiseParallel output): its gradient on each rank is then a partial sum over
-the rank's slice, and its norm would be too small. Values are followed from
-the shards (the sharded parameters' placeholders) until a sum over the tp
-group makes them whole again; a replicated parameter's contribution that
-reads such a value is refused.
+dpcompile counts a gradient that DTensor calls ``Replicate`` (or a plain
+parameter's) once, on the claim that each rank computes all of its per-sample
+gradient. That fails where such a parameter meets a value one rank holds alone
+(a plain scale applied to a ColwiseParallel output, a plain norm applied to a
+sequence shard): its gradient on each rank is then a part of the sum over the
+group, and its norm would be too small. Values are followed from the shards
+(the sharded parameters' placeholders, and every reduce-scatter's pieces) until
+an all-reduce or an all-gather over the group makes them whole again; a
+replicated gradient's contribution that reads such a value is refused.
+Gradients that DTensor calls ``Partial`` are such sums by declaration: their
+per-sample parts are summed over the group before their norm
+(per_sample_norms).
 """
 from __future__ import annotations
 
@@ -22,14 +25,18 @@ from .context import DPPassContext
 
 
 def _rank_local(gm: fx.GraphModule, ctx: DPPassContext) -> set[fx.Node]:
-    """Nodes whose value differs across the tp group: computed from a shard, not yet summed over it."""
-    local = {p.primal for p in ctx.params if p.tp == "shard"}
+    """Nodes whose value differs across the tp group: computed from a shard, not yet made whole."""
+    local = set(ctx.tp_local_primals)
     c10d = torch.ops._c10d_functional
     for n in gm.graph.nodes:
         if n.op != "call_function" or n in local:
             continue
-        if n.target is c10d.all_reduce.default and n.args[2] == ctx.tp_group:
-            continue  # the group's sum: the same on every rank
+        if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default) and \
+                n.args[-1] == ctx.tp_group:
+            continue  # the group's sum, or everyone's pieces: the same on every rank
+        if n.target is c10d.reduce_scatter_tensor.default and n.args[-1] == ctx.tp_group:
+            local.add(n)  # each rank keeps its own piece
+            continue
         if any(a in local for a in n.all_input_nodes):
             local.add(n)
     return local
@@ -46,11 +53,13 @@ def tensor_parallel_check_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Gra
             bad = [a for a in c.node.all_input_nodes if a in local]
             if bad:
                 raise DPCompileError(
-                    f"dp_fsdp: parameter '{name}' is the same on every rank of the tensor-parallel group, but its "
-                    f"gradient is computed from one rank's shard (op {op_name(c.node)} in module "
-                    f"{module_of(c.node)} reads {bad[0].name}, which comes from a sharded parameter and is not "
-                    f"summed over the group): each rank would hold only part of every sample's gradient. Make "
-                    f"the parameter a tensor-parallel shard too (parallelize_module), or apply it outside the "
-                    f"sharded region.")
+                    f"dp_fsdp: parameter '{name}' has a gradient that is the same on every rank of the "
+                    f"tensor-parallel group (a plain parameter, or a Replicate one), but it is computed from one "
+                    f"rank's shard (op {op_name(c.node)} in module {module_of(c.node)} reads {bad[0].name}, which "
+                    f"comes from a sharded parameter or a reduce-scatter's piece and is not made whole over the "
+                    f"group): each rank would hold only part of every sample's gradient, and nothing sums them. "
+                    f"Make the parameter a DTensor of the plan (parallelize_module: ColwiseParallel, or "
+                    f"SequenceParallel for a norm, whose gradient is then a Partial sum dpcompile completes), or "
+                    f"apply it outside the sharded region.")
             ctx.counters["tp_replicated_contributions_checked"] += 1
     return gm

@@ -30,6 +30,8 @@ def make(case):
         return M.LlamaLM(), M.seq_ce, 13
     if case == "gpt_odd":  # widths 12, 36, 48 and vocab 13: unaligned for the padding tests
         return M.GPT(d=12, n_head=2, n_layer=1), M.seq_ce, 13
+    if case in ("llama_sp", "gpt_sp"):  # torchtitan's layout, for its sequence-parallel plan
+        return M.TitanLM(kind=case[:-3]), M.seq_ce, 13
     raise ValueError(case)
 
 
@@ -624,6 +626,8 @@ def _tp_plan(case):
     """(the modules to parallelize, torch's plan for each): Colwise in, Rowwise out, as torchtitan does."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    if case.endswith("_sp"):  # the whole model, the residual stream split along the sequence between regions
+        return None, None
     if case == "gpt":  # the MLP (the fused qkv splits by width: not a tensor-parallel attention)
         return lambda m: list(m.blocks), {"fc": ColwiseParallel(), "out": RowwiseParallel()}
     if case == "llama":  # attention and MLP
@@ -652,8 +656,10 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
     ebs = B + 1
     ref, _ = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=ebs)
     modules, plan = _tp_plan(case)
-    for m in modules(model):
-        parallelize_module(m, mesh, plan)
+    pairs = M.titan_tp_plan(model, sequence_parallel=True) if modules is None else \
+        [(m, plan) for m in modules(model)]
+    for m, p in pairs:
+        parallelize_module(m, mesh, p)
 
     def step(x, y):
         loss = loss_fn(model(x), y).mean()
@@ -663,17 +669,19 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
     backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs, schedule=schedule,
                                   compiler=compiler)
     torch.compile(step, backend=backend)(ids, ids)
-    sharded = []
+    kinds = {}  # what each gradient is on a rank, by its DTensor placement (not the parameter's)
     for name, p in model.named_parameters():
         full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         torch.testing.assert_close(full.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-        if isinstance(p, DTensor) and p.placements[0].is_shard():
-            sharded.append(name)
+        pl = p.grad.placements[0] if isinstance(p.grad, DTensor) else None
+        kinds[name] = "plain" if pl is None else "shard" if pl.is_shard() else "partial" if pl.is_partial() \
+            else "replicate"
     rec = [r for r in backend.compiled if r.dp][0]
-    # the backward's ops between the norm all-reduce (a [B] vector) and its wait: what it runs under
+    # the backward's ops between the norm all-reduce (a [B] vector, or [B, 1 + n] with partial gradients'
+    # per-sample parts) and its wait: what it runs under
     ops = rec.ops["backward"]
-    issue = next(i for i, (op, shape) in enumerate(ops) if "all_reduce" in op and shape == (B,))
-    wait = next(i for i in range(issue, len(ops)) if "wait_tensor" in ops[i][0] and ops[i][1] == (B,))
+    issue = next(i for i, (op, shape) in enumerate(ops) if "all_reduce" in op and shape[:1] == (B,) and len(shape) <= 2)
+    wait = next(i for i in range(issue, len(ops)) if "wait_tensor" in ops[i][0] and ops[i][1] == ops[issue][1])
     clean = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
              for n, p in model.named_parameters()}
 
@@ -687,6 +695,6 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
              for n, p in model.named_parameters()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"counters": dict(rec.counters), "tp_summary": rec.summary.get("tensor_parallel"),
-                   "under_norm_all_reduce": [op for op, _ in ops[issue + 1:wait]],
-                   "sharded": sharded, "noise": noise, "std": sigma * C / ebs}, f)
+                   "under_norm_all_reduce": [op for op, _ in ops[issue + 1:wait]], "norm_all_reduce": ops[issue][1],
+                   "kinds": kinds, "noise": noise, "std": sigma * C / ebs}, f)
     dist.destroy_process_group()

@@ -241,3 +241,99 @@ def ce(logits, y):
 
 def mse(out, y):
     return (out - y).pow(2).flatten(1).sum(1)
+
+
+class TitanAttention(nn.Module):
+    """Attention with its projections as submodules, as torchtitan's Llama lays it out (a tensor-parallel plan
+    can gather a sequence-parallel input once for wq/wk/wv with PrepareModuleInput)."""
+
+    def __init__(self, d, n_head, bias, rope):
+        super().__init__()
+        self.hd, self.rope = d // n_head, rope
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=bias) for _ in range(4))
+
+    def forward(self, h):
+        B, T, _ = h.shape
+        q, k, v = (w(h).view(B, T, -1, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if self.rope:
+            q, k = rotary(q), rotary(k)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        return self.wo(a)
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, d, hidden, bias, gated):
+        super().__init__()
+        self.gated = gated
+        self.w1 = nn.Linear(d, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, d, bias=bias)
+        self.w3 = nn.Linear(d, hidden, bias=bias) if gated else None
+
+    def forward(self, x):
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, d, n_head, hidden, kind):
+        super().__init__()
+        llama = kind == "llama"
+        norm = (lambda: nn.RMSNorm(d, eps=1e-6)) if llama else (lambda: nn.LayerNorm(d))
+        self.attention_norm, self.ffn_norm = norm(), norm()
+        self.attention = TitanAttention(d, n_head, bias=not llama, rope=llama)
+        self.feed_forward = TitanFeedForward(d, hidden, bias=not llama, gated=llama)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TitanLM(nn.Module):
+    """A decoder laid out as torchtitan's Llama (tok_embeddings, layers.i.{attention_norm, attention.wq..wo,
+    ffn_norm, feed_forward.w1..w3}, norm, output), the layout its tensor- and sequence-parallel plan names.
+    kind="llama": RMSNorm, rotary, SwiGLU, no biases; kind="gpt": LayerNorm, GELU MLP, biases everywhere (a
+    sequence-parallel LayerNorm's bias and a RowwiseParallel bias added to a sequence shard are partial sums
+    over the tensor-parallel group). Positions are rotary or none, so the residual stream can be split along
+    the sequence."""
+
+    def __init__(self, vocab=13, d=8, n_head=2, hidden=12, n_layer=1, kind="llama"):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(TitanBlock(d, n_head, hidden, kind) for _ in range(n_layer))
+        self.norm = nn.RMSNorm(d, eps=1e-6) if kind == "llama" else nn.LayerNorm(d)
+        self.output = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok_embeddings(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def titan_tp_plan(model: "TitanLM", sequence_parallel: bool):
+    """(module, plan) pairs in torchtitan's form: Colwise in, Rowwise out; with sequence parallelism the
+    residual stream is split along the sequence between the tensor-parallel regions (norms SequenceParallel)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sequence_parallel:
+        root["norm"] = SequenceParallel()
+    pairs = [(model, root)]
+    for layer in model.layers:
+        plan = {"attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq)}
+        if layer.feed_forward.gated:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        pairs.append((layer, plan))
+    return pairs

@@ -1,30 +1,73 @@
-"""Collectives on per-sample values: tensor parallelism's all-reduce of activations.
+"""Collectives on per-sample values: tensor parallelism's sums and gathers of activations.
 
 Every rank of the tensor-parallel group holds the same batch, rows in the same
-order, so a sum over that group adds, row by row, pieces of one sample's
-activation (a RowwiseParallel output, a ColwiseParallel input gradient): the
-result stays per-sample with the input's layout. Over any other group (data
-parallel ranks hold different samples) a sum would mix samples: refused.
+order, so a collective over that group moves or adds, row by row, pieces of
+one sample's activation: the result stays per-sample.
+
+- ``all_reduce`` (sum): a RowwiseParallel output, a ColwiseParallel input
+  gradient; the input's layout.
+- ``all_gather_into_tensor``: the group's pieces stacked along dim 0, rank
+  outermost (a sequence-parallel activation gathered before a
+  ColwiseParallel layer is ``[tp * B, T / tp, D]``, then split and joined
+  along the sequence): dim 0's sample layout gains ``tp`` outer blocks.
+- ``reduce_scatter_tensor`` (sum): dim 0 cut into ``tp`` blocks, rank r
+  keeps the sum of everyone's block r (a RowwiseParallel output scattered
+  along the sequence): the blocks must hold whole copies of the batch.
+
+Over any other group (data-parallel ranks hold different samples) these would
+mix samples: refused.
 """
 from __future__ import annotations
 
 import torch
 
+from dpcompile.fx_utils import known
+
+from ..batch_state import Batched
+
 _C10D = torch.ops._c10d_functional
+
+
+def _tp_only(an, node, group, what):
+    tp = an.ctx.tp_group
+    if tp is None or group != tp:
+        raise an.refuse(node, f"{what} over process group {group!r} of per-sample values: its ranks hold "
+                              f"different samples, so the result mixes them",
+                        "keep collectives of activations to the tensor-parallel group (parallelize_module)")
 
 
 def _all_reduce(an, node):
     x, op, group = node.args[0], node.args[1], node.args[2]
-    s = an.st(x)
-    tp = an.ctx.tp_group
-    if tp is None or group != tp:
-        raise an.refuse(node, f"an all-reduce over process group {group!r} of per-sample values: its ranks hold "
-                              f"different samples, so the sum mixes them",
-                        "keep collectives of activations to the tensor-parallel group (parallelize_module)")
+    _tp_only(an, node, group, "an all-reduce")
     if op != "sum":
         raise an.refuse(node, f"an all-reduce ({op}) over the tensor-parallel group: only sums of the ranks' "
                               f"pieces of a sample are proven per-sample")
-    return s
+    return an.st(x)
+
+
+def _all_gather(an, node):
+    x, size, group = node.args[0], node.args[1], node.args[2]
+    _tp_only(an, node, group, "an all-gather")
+    s = an.st(x)
+    if s.dim != 0:
+        return s  # pieces stacked along a dim that is not the samples' (or B == 1: all of it is sample 0)
+    return Batched(0, s.outer * size, s.inner)
+
+
+def _reduce_scatter(an, node):
+    x, op, size, group = node.args[0], node.args[1], node.args[2], node.args[3]
+    _tp_only(an, node, group, "a reduce-scatter")
+    if op != "sum":
+        raise an.refuse(node, f"a reduce-scatter ({op}) over the tensor-parallel group: only sums of the "
+                              f"ranks' pieces of a sample are proven per-sample")
+    s = an.st(x)
+    if s.dim != 0:
+        return s
+    if not known(s.outer % size == 0):
+        raise an.refuse(node, f"a reduce-scatter over the tensor-parallel group cuts dim 0 (samples laid out as "
+                              f"{s.outer} blocks of the batch) into {size} pieces that are not whole blocks, so "
+                              f"a rank's piece would hold part of the batch")
+    return Batched(0, s.outer // size, s.inner)
 
 
 def _wait(an, node):
@@ -33,5 +76,7 @@ def _wait(an, node):
 
 RULES = {
     _C10D.all_reduce: _all_reduce,
+    _C10D.all_gather_into_tensor: _all_gather,
+    _C10D.reduce_scatter_tensor: _reduce_scatter,
     _C10D.wait_tensor: _wait,
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from dpcompile.fx_utils import known
 
@@ -74,6 +75,28 @@ def _index_select(an, node):
     return SINGLE
 
 
+def _masked_fill(an, node, base, indices, values):
+    """x[mask] = v (or += v) with one boolean mask over x's leading dims and one sample-free value: an
+    elementwise where(mask, v, x), which keeps x's layout (DTensor's vocabulary-sharded embedding zeroes the
+    ids and rows another rank owns this way). None when the op is not of that form."""
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node) or an.st(values) is not FREE:
+        return None
+    mask = indices[0]
+    mv, bv = mask.meta["val"], base.meta["val"]
+    vv = values.meta["val"] if isinstance(values, fx.Node) else None
+    if mv.dtype != torch.bool or vv is None or vv.numel() != 1 or \
+            tuple(mv.shape) != tuple(bv.shape[: mv.dim()]):
+        return None
+    sb, sm = an.st(base), an.st(mask)
+    if sm is FREE:
+        return sb
+    if sb is FREE:
+        return sm  # the mask's dims are x's leading dims, of the same sizes
+    if sb != sm:
+        return fail_layout(an, node, "masks a per-sample tensor with a mask of another sample layout")
+    return sb
+
+
 def _index_put(an, node):
     """base.index_put(indices, values, accumulate): the embedding backward."""
     t = node.target
@@ -84,6 +107,9 @@ def _index_put(an, node):
         base, indices, values = node.args[:3]
         mask = None
         accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    masked = _masked_fill(an, node, base, indices, values)
+    if masked is not None:
+        return masked
     if an.st(base) is not FREE:
         raise an.refuse(node, "scatters into a per-sample tensor")
     tens = [i for i in indices if i is not None]

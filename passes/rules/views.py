@@ -128,8 +128,24 @@ def _split(an, node):
         return tuple(s if s.dim is None else s.moved(s.dim - (1 if k < s.dim else 0)) for _ in outs)
     k = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
     if s.dim is not None and k == s.dim and len(outs) > 1:
-        return tuple(fail_layout(an, node, "splits the sample dim") for _ in outs)
+        blocks = _whole_blocks(s, [o.shape[k] for o in outs], an.B)
+        if blocks is None:
+            return tuple(fail_layout(an, node, "splits the sample dim") for _ in outs)
+        return tuple(Batched(k, m, s.inner) for m in blocks)
     return tuple(s for _ in outs)
+
+
+def _whole_blocks(s: Batched, sizes, B) -> list | None:
+    """Pieces of a dim laid out as ``s.outer`` copies of the batch (each ``B * s.inner`` long, a tensor-parallel
+    all-gather's ranks): how many whole copies each piece holds, or None if one cuts a copy. A piece of whole
+    copies keeps every sample's rows in the same places."""
+    block = B * s.inner
+    out = []
+    for size in sizes:
+        if not known(size % block == 0) or known(size == 0):
+            return None
+        out.append(size // block)
+    return out
 
 
 def _cat(an, node):
@@ -137,11 +153,16 @@ def _cat(an, node):
     out = node.meta["val"]
     k = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
     found = None
-    for t in tensors:
-        s = an.st(t)
+    states = [an.st(t) for t in tensors]
+    if any(isinstance(s, Batched) and s.dim == k for s in states):
+        # along the sample dim: whole copies of the batch, one after another (the pieces of a tensor-parallel
+        # reduce-scatter, one per rank): the result is that many copies
+        inner = states[0].inner if isinstance(states[0], Batched) else None
+        if all(isinstance(s, Batched) and s.dim == k and known(s.inner == inner) for s in states):
+            return Batched(k, sum(s.outer for s in states), inner)
+        return fail_layout(an, node, "concatenates along the sample dim")
+    for s in states:
         if isinstance(s, Batched) and s.dim is not None:
-            if s.dim == k:
-                return fail_layout(an, node, "concatenates along the sample dim")
             if found is not None and found != s:
                 return fail_layout(an, node, "concatenates tensors with different sample dims")
             found = s

@@ -7,10 +7,17 @@
     python benchmarks/step.py --tiny --model llama
     torchrun --nproc_per_node=4 benchmarks/step.py --bucket-mb 64 [--overlap]  # bucketed collectives
     python benchmarks/step.py --batch 4 --cudagraphs                  # CUDA graphs in every mode
+    torchrun --nproc_per_node=2 benchmarks/step.py --model llama --parallel tp     # tensor parallel (bf16 params)
+    torchrun --nproc_per_node=2 benchmarks/step.py --model llama --parallel tp-sp  # ... with sequence parallel
+    torchrun --nproc_per_node=2 benchmarks/step.py --tiny --model llama --parallel tp-sp  # CPU (gloo)
 
 Every mode uses the same model, the same fully_shard sharding and mixed
 precision (fp32 parameters, bf16 compute, fp32 gradient reduction); only the
-backend differs ("inductor" for the non-private step). Reports the median
+backend differs ("inductor" for the non-private step). --parallel tp / tp-sp
+instead parallelizes the Llama with torch's tensor-parallel plan over all
+ranks (torchtitan's: Colwise in, Rowwise out; tp-sp adds SequenceParallel
+norms), bf16 parameters, every rank the same batch; the profile then reports
+where dpcompile's per-sample norm all-reduce runs. Reports the median
 step time over --iters timed steps after --warmup, peak memory, and the
 ratios to non-private. Rank 0 prints a table and writes JSON to --out.
 --profile DIR also records one more step of each mode with torch.profiler
@@ -30,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import dpcompile  # noqa: E402
@@ -39,8 +47,38 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Llama  # noqa: E402
 
 
+def tensor_parallel_plan(model, mesh, sequence_parallel: bool) -> None:
+    """torch's tensor-parallel API on benchmarks/llama.py's Llama, as torchtitan plans it."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sequence_parallel:
+        root["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, root)
+    for b in model.blocks:
+        plan = {"attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=seq),
+                # the MLP is inline in the block: w1 and w3 each gather the sequence-parallel input
+                "w1": ColwiseParallel(input_layouts=seq), "w3": ColwiseParallel(input_layouts=seq),
+                "w2": RowwiseParallel(output_layouts=seq)}
+        if sequence_parallel:
+            plan.update(attn_norm=SequenceParallel(), mlp_norm=SequenceParallel())
+        parallelize_module(b, mesh, plan)
+
+
 def build(args, mesh, device):
     torch.manual_seed(0)
+    if args.parallel != "fsdp":
+        if args.model != "llama":
+            raise SystemExit("--parallel tp/tp-sp: --model llama (its projections are separate modules)")
+        model = Llama(args.vocab, args.d, args.layers, args.heads, args.kv_heads, args.ffn, tied=False)
+        model = model.to(device, torch.bfloat16 if args.bf16 else torch.float32)
+        tensor_parallel_plan(model, mesh, sequence_parallel=args.parallel == "tp-sp")
+        return model
     if args.model == "llama":
         model = Llama(args.vocab, args.d, args.layers, args.heads, args.kv_heads, args.ffn).to(device)
     else:
@@ -65,12 +103,20 @@ def run_mode(mode, args, mesh, device, world):
         return loss.detach()
 
     if mode == "nonprivate":
+        if args.parallel != "fsdp":
+            # stock torch.compile fails on a tensor-parallel step whose backward runs inside it (Dynamo compiles
+            # DTensor.__tensor_unflatten__ as a frame, DESIGN.md): the same workaround dp_fsdp applies
+            from dpcompile.tensor_parallel import allow_dtensor_gradients_in_dynamo
+
+            allow_dtensor_gradients_in_dynamo()
         step = torch.compile(train_step, backend="inductor", mode="reduce-overhead" if args.cudagraphs else None)
     else:
-        # what users run: one graph for every per-rank batch size (private_step marks the batch)
-        step = dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch * world,
+        # what users run: one graph for every per-rank batch size (private_step marks the batch); tensor
+        # parallel: every rank of the group holds the same samples
+        samples = args.batch * (world if args.parallel == "fsdp" else 1)
+        step = dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=samples,
                                       schedule=mode, cudagraphs=args.cudagraphs)(train_step)
-    g = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
+    g = torch.Generator(device="cpu").manual_seed(1 + (dist.get_rank() if args.parallel == "fsdp" else 0))
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -97,7 +143,27 @@ def run_mode(mode, args, mesh, device, world):
     overlap = profile_step(mode, args, lambda: (step(x, y), opt.step(), opt.zero_grad(set_to_none=True)), sync) \
         if args.profile else None
     return {"mode": mode, "comm": overlap, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-            "peak_gib": peak / 2**30, "compile_and_warmup_s": warm_s, "loss": float(loss)}
+            "peak_gib": peak / 2**30, "compile_and_warmup_s": warm_s, "loss": float(loss),
+            "norm_all_reduce": norm_all_reduce_placement(step, args) if mode != "nonprivate" else None}
+
+
+def norm_all_reduce_placement(step, args) -> dict | None:
+    """Where dpcompile put the per-sample norm all-reduce of a tensor-parallel step (its compile record):
+    the backward ops between its issue and its wait."""
+    recs = [r for r in getattr(step, "dp_backend").compiled if r.dp]
+    if not recs or "tensor_parallel" not in recs[0].summary:
+        return None
+    ops = recs[0].ops["backward"]
+    issue = next((i for i, (op, shape) in enumerate(ops) if "all_reduce" in op and shape[:1] == (args.batch,)
+                  and len(shape) <= 2), None)
+    if issue is None:
+        return None
+    wait = next(i for i in range(issue, len(ops)) if "wait_tensor" in ops[i][0] and ops[i][1] == ops[issue][1])
+    between = [op for op, _ in ops[issue + 1:wait]]
+    return {"shape": list(ops[issue][1]), "ops_between": len(between),
+            "gemms_between": sum(op.endswith(("aten.mm.default", "aten.bmm.default", "aten.addmm.default"))
+                                 for op in between),
+            "summary": recs[0].summary["tensor_parallel"]}
 
 
 def profile_step(mode, args, run, sync) -> dict:
@@ -105,7 +171,7 @@ def profile_step(mode, args, run, sync) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         run()
         sync()
     os.makedirs(args.profile, exist_ok=True)
@@ -135,11 +201,33 @@ def profile_step(mode, args, run, sync) -> dict:
         return [(e.time_range.start, e.time_range.end) for e in kernels if kind in e.name]
 
     span = (max(b for _, b in merged) - min(a for a, _ in merged)) if merged else 0.0
+    # the per-sample norm all-reduce (tensor parallel): the NCCL kernel whose launching op all-reduces a
+    # [B] or [B, n] tensor ([B, T, d] and [B * T, d] activations are never that shape)
+    by_id = {e.id: e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
+
+    def launched_by(k):
+        e = by_id.get(getattr(k, "linked_correlation_id", 0))
+        while e is not None:
+            if "all_reduce" in e.name or "allreduce" in e.name:
+                return e
+            e = e.cpu_parent
+        return None
+
+    norm_ar = []
+    for k in kernels:
+        if "AllReduce" not in k.name:
+            continue
+        op = launched_by(k)
+        shape = op.input_shapes[0] if op is not None and op.input_shapes else None
+        if shape and shape[0] == args.batch and len(shape) <= 2:
+            iv = [(k.time_range.start, k.time_range.end)]
+            norm_ar.append({"shape": shape, "us": (k.time_range.end - k.time_range.start),
+                            "under_compute_us": under_compute(iv) * 1e3})
     per_kind = {}
     for kind in ("AllGather", "ReduceScatter", "AllReduce"):
         iv = of_kind(kind)
         per_kind[kind] = {"kernels": len(iv), "ms": sum(b - a for a, b in iv) / 1e3, "under_compute_ms": under_compute(iv)}
-    return {"nccl_kernels": len(comm), "nccl_ms": sum(b - a for a, b in comm) / 1e3,
+    return {"nccl_kernels": len(comm), "nccl_ms": sum(b - a for a, b in comm) / 1e3, "norm_all_reduce": norm_ar,
             "nccl_overlapped_ms": under_compute(comm), "per_collective": per_kind,
             "compute_busy_ms": sum(b - a for a, b in merged) / 1e3, "gpu_span_ms": span / 1e3,
             "top_kernels": [(name[:90], len(ts), sum(ts) / 1e3) for name, ts in top]}
@@ -160,6 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--modes", default="nonprivate,bk,ghost")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false")
+    ap.add_argument("--bf16", dest="bf16", action="store_true", help="bf16 (the default; also with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke configuration")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="directory for one profiled step per mode")
@@ -169,6 +258,9 @@ def main(argv=None) -> int:
                     help="with --bucket-mb: also Inductor's compute/communication reordering (every mode)")
     ap.add_argument("--cudagraphs", action="store_true",
                     help="CUDA graphs: mode='reduce-overhead' for the non-private step, cudagraphs=True for dp_fsdp")
+    ap.add_argument("--parallel", choices=["fsdp", "tp", "tp-sp"], default="fsdp",
+                    help="fsdp: dpcompile.fully_shard over all ranks; tp / tp-sp: torch's tensor parallelism "
+                         "(--model llama), tp-sp with sequence-parallel norms")
     ap.add_argument("--combo-kernels", action="store_true",
                     help="Inductor combo kernels (independent small kernels launched as one), every mode")
     args = ap.parse_args(argv)
@@ -180,7 +272,8 @@ def main(argv=None) -> int:
     if args.tiny:
         args.layers, args.d, args.heads, args.vocab, args.seq, args.batch = 2, 32, 4, 128, 16, 4
         args.kv_heads, args.ffn = 2, 64
-        args.warmup, args.iters, args.bf16 = 2, 3, False
+        args.warmup, args.iters = 2, 3
+        args.bf16 = "--bf16" in (argv if argv is not None else sys.argv)
     cuda = torch.cuda.is_available() and not args.tiny
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
@@ -203,11 +296,19 @@ def main(argv=None) -> int:
     if rank == 0:
         gpu_name = torch.cuda.get_device_name() if cuda else "cpu"
         print(f"{args.model} L={args.layers} d={args.d} V={args.vocab} T={args.seq}, {args.batch}/GPU x {world} {gpu_name}, "
-              f"bf16={args.bf16}, torch {torch.__version__}")
+              f"bf16={args.bf16}, {args.parallel}, torch {torch.__version__}")
         print(f"{'mode':>10} {'median ms':>10} {'ratio':>6} {'peak GiB':>9} {'mem ratio':>9} {'compile+warmup s':>16}")
         for r in results:
             print(f"{r['mode']:>10} {r['median_ms']:10.1f} {r.get('time_ratio', 1):6.2f} {r['peak_gib']:9.2f} "
                   f"{(r.get('mem_ratio') or 0):9.2f} {r['compile_and_warmup_s']:16.1f}")
+        for r in results:
+            if r.get("norm_all_reduce"):
+                n = r["norm_all_reduce"]
+                print(f"{r['mode']:>10} norm all-reduce {n['shape']}: {n['ops_between']} backward ops between issue "
+                      f"and wait, {n['gemms_between']} of them GEMMs")
+            for k in (r["comm"] or {}).get("norm_all_reduce", []):
+                print(f"{r['mode']:>10} profile: norm all-reduce kernel {k['shape']}: {k['us']:.1f} us, "
+                      f"{k['under_compute_us']:.1f} us of it under compute")
         for r in results:
             if r["comm"]:
                 c = r["comm"]

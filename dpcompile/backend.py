@@ -70,6 +70,20 @@ class CompiledStep:
     compile_reason: str = ""  # why dynamo ended this graph where it did (its first line)
 
 
+def _where(e: BaseException) -> str:
+    """' in dpcompile's <file>:<line> (<function>)' of the innermost dpcompile frame an internal error passed
+    through: Dynamo prints a backend's error without its cause, and a report needs the place."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if f"{os.sep}dpcompile{os.sep}" in f.filename or f"{os.sep}passes{os.sep}" in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" in dpcompile's {os.path.basename(os.path.dirname(f.filename))}/{os.path.basename(f.filename)}:" \
+           f"{f.lineno} ({f.name})"
+
+
 def _source_name(grapharg) -> str:
     src = getattr(grapharg, "source", None)
     if src is None:
@@ -480,8 +494,8 @@ class DPBackend:
             if isinstance(e, TensorifyScalarRestartAnalysis):
                 raise
             raise DPCompileError(
-                f"dp_fsdp failed to compile the step ({type(e).__name__}: {e}). dpcompile refuses to fall back to "
-                f"eager execution, which would produce non-private gradients."
+                f"dp_fsdp failed to compile the step ({type(e).__name__}: {e}{_where(e)}). dpcompile refuses to "
+                f"fall back to eager execution, which would produce non-private gradients."
             ) from e
 
     def _compile(self, gm: fx.GraphModule, example_inputs) -> Callable:

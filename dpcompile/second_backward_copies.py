@@ -22,6 +22,7 @@ import torch.fx as fx
 from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD, mark_second_backward
 from dpcompile.fx_utils import recomputable
 
+_CONSTANTS = (torch.ops.aten.full.default, torch.ops.aten.zeros.default, torch.ops.aten.scalar_tensor.default)
 MAX_CHAIN = 12  # ops per copied chain: longer ones cost more arithmetic than the memory is worth
 MIN_NUMEL = 1 << 16  # smaller values are not worth a recompute
 
@@ -40,6 +41,10 @@ def _numel_hint(n: fx.Node) -> int:
 def _chain(root: fx.Node) -> list[fx.Node] | None:
     """The nodes to copy for root (pointwise ops and views down to the backward's inputs and constants), or
     None when root is made by anything else (a contraction, a reduction, a random op) on the way."""
+    if not root.all_input_nodes:
+        # a constant both backwards read (a rotary backward's zeros, Llama on an H100): made again; it has
+        # nothing to chain down to (the KeyError this raised once: an empty chain has no copy of root)
+        return [root] if root.target in _CONSTANTS else None
     chain, todo = set(), [root]
     while todo:
         n = todo.pop()

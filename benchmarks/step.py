@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["gpt", "llama"], default="gpt")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--d", type=int, default=None)
+    ap.add_argument("--d", "--width", dest="d", type=int, default=None)  # --width under torchrun (--d is ambiguous there)
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--kv-heads", type=int, default=8, help="llama: key/value heads")
     ap.add_argument("--ffn", type=int, default=8192, help="llama: SwiGLU hidden size")
@@ -287,7 +287,13 @@ def main(argv=None) -> int:
         dpcompile.bucket_collectives(args.bucket_mb, overlap=args.overlap)
     if args.combo_kernels:  # the DP step launches ~2x the kernels; a launch-bound step may gain from fewer
         torch._inductor.config.combo_kernels = True
-    results = [run_mode(m, args, mesh, device, world) for m in args.modes.split(",")]
+    results = []
+    for m in args.modes.split(","):
+        results.append(run_mode(m, args, mesh, device, world))
+        if rank == 0:  # as each mode ends: a run cut off by a time limit still reports the modes it finished
+            r = results[-1]
+            print(f"done {m}: median {r['median_ms']:.1f} ms, peak {r['peak_gib']:.2f} GiB, compile+warmup "
+                  f"{r['compile_and_warmup_s']:.1f} s", flush=True)
     base = next((r for r in results if r["mode"] == "nonprivate"), None)
     for r in results:
         if base:

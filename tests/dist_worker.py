@@ -30,8 +30,8 @@ def make(case):
         return M.LlamaLM(), M.seq_ce, 13
     if case == "gpt_odd":  # widths 12, 36, 48 and vocab 13: unaligned for the padding tests
         return M.GPT(d=12, n_head=2, n_layer=1), M.seq_ce, 13
-    if case in ("llama_sp", "gpt_sp"):  # torchtitan's layout, for its sequence-parallel plan
-        return M.TitanLM(kind=case[:-3]), M.seq_ce, 13
+    if case in ("llama_sp", "gpt_sp", "llama_tp"):  # torchtitan's layout, for its (sequence-)parallel plan
+        return M.TitanLM(kind=case.split("_")[0]), M.seq_ce, 13
     raise ValueError(case)
 
 
@@ -626,7 +626,7 @@ def _tp_plan(case):
     """(the modules to parallelize, torch's plan for each): Colwise in, Rowwise out, as torchtitan does."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if case.endswith("_sp"):  # the whole model, the residual stream split along the sequence between regions
+    if case.endswith(("_sp", "_tp")):  # torchtitan's plan of the whole model (_sp: sequence parallel too)
         return None, None
     if case == "gpt":  # the MLP (the fused qkv splits by width: not a tensor-parallel attention)
         return lambda m: list(m.blocks), {"fc": ColwiseParallel(), "out": RowwiseParallel()}
@@ -656,7 +656,7 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
     ebs = B + 1
     ref, _ = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=ebs)
     modules, plan = _tp_plan(case)
-    pairs = M.titan_tp_plan(model, sequence_parallel=True) if modules is None else \
+    pairs = M.titan_tp_plan(model, sequence_parallel=case.endswith("_sp")) if modules is None else \
         [(m, plan) for m in modules(model)]
     for m, p in pairs:
         parallelize_module(m, mesh, p)

@@ -1,7 +1,8 @@
 """Tensor parallelism (parallelize_module, one 1-D mesh), 2 gloo ranks: exact gradients, one norm all-reduce, noise.
 
-Cases: a GPT MLP and a Llama block (Colwise/Rowwise), and torchtitan's layout of a Llama and of a GPT-style
-decoder (LayerNorm and biases) under its sequence-parallel plan: a RowwiseParallel embedding (a Shard(0)
+Cases: a GPT MLP and a Llama block (Colwise/Rowwise), torchtitan's layout of a Llama under its
+tensor-parallel plan, and of a Llama and a GPT-style decoder (LayerNorm and biases) under its sequence-parallel
+plan: a RowwiseParallel embedding (a Shard(0)
 weight with a Replicate gradient) and SequenceParallel norms (Partial gradients: each rank holds its tokens'
 part of every sample's gradient).
 """
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="ne
 @pytest.mark.parametrize("case,schedule,compiler", [
     ("gpt", "bk", "eager"), ("gpt", "ghost", "eager"), ("llama", "bk", "inductor"), ("llama", "ghost", "eager"),
     ("llama_sp", "bk", "inductor"), ("llama_sp", "ghost", "eager"), ("gpt_sp", "bk", "eager"),
-    ("gpt_sp", "ghost", "inductor"),
+    ("gpt_sp", "ghost", "inductor"), ("llama_tp", "bk", "eager"),
 ])
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
         case, schedule, compiler, tmp_path):
@@ -41,11 +42,11 @@ def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_
         if case == "gpt":  # tensor parallel MLP: the attention's backward runs while the norms are summed
             assert any(op.endswith(("aten.mm.default", "aten.bmm.default")) for op in rep["under_norm_all_reduce"]), \
                 rep["under_norm_all_reduce"]
-    if case.endswith("_sp"):
-        # the sequence-parallel norms' gradients are sums over the group; the vocabulary-sharded embedding's
-        # gradient is whole on every rank (counted once, though its weight is a shard)
-        assert any(n.endswith("attention_norm.weight") for n in of("partial")), kinds
+    if case.endswith(("_sp", "_tp")):
+        # the vocabulary-sharded embedding's gradient is whole on every rank (counted once, though its weight
+        # is a shard); the sequence-parallel norms' gradients are sums over the group, plain norms whole
         assert kinds["tok_embeddings.weight"] == "replicate", kinds
+        assert kinds["layers.0.attention_norm.weight"] == ("partial" if case.endswith("_sp") else "plain"), kinds
         if case == "gpt_sp":  # LayerNorm biases too; a RowwiseParallel bias is added before the reduce-scatter
             assert "norm.bias" in of("partial") and kinds["layers.0.feed_forward.w2.bias"] == "replicate", kinds
     std = r0["std"]

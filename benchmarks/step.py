@@ -171,7 +171,7 @@ def profile_step(mode, args, run, sync) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts, record_shapes=True) as prof:
+    with profile(activities=acts) as prof:
         run()
         sync()
     os.makedirs(args.profile, exist_ok=True)
@@ -201,33 +201,11 @@ def profile_step(mode, args, run, sync) -> dict:
         return [(e.time_range.start, e.time_range.end) for e in kernels if kind in e.name]
 
     span = (max(b for _, b in merged) - min(a for a, _ in merged)) if merged else 0.0
-    # the per-sample norm all-reduce (tensor parallel): the NCCL kernel whose launching op all-reduces a
-    # [B] or [B, n] tensor ([B, T, d] and [B * T, d] activations are never that shape)
-    by_id = {e.id: e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
-
-    def launched_by(k):
-        e = by_id.get(getattr(k, "linked_correlation_id", 0))
-        while e is not None:
-            if "all_reduce" in e.name or "allreduce" in e.name:
-                return e
-            e = e.cpu_parent
-        return None
-
-    norm_ar = []
-    for k in kernels:
-        if "AllReduce" not in k.name:
-            continue
-        op = launched_by(k)
-        shape = op.input_shapes[0] if op is not None and op.input_shapes else None
-        if shape and shape[0] == args.batch and len(shape) <= 2:
-            iv = [(k.time_range.start, k.time_range.end)]
-            norm_ar.append({"shape": shape, "us": (k.time_range.end - k.time_range.start),
-                            "under_compute_us": under_compute(iv) * 1e3})
     per_kind = {}
     for kind in ("AllGather", "ReduceScatter", "AllReduce"):
         iv = of_kind(kind)
         per_kind[kind] = {"kernels": len(iv), "ms": sum(b - a for a, b in iv) / 1e3, "under_compute_ms": under_compute(iv)}
-    return {"nccl_kernels": len(comm), "nccl_ms": sum(b - a for a, b in comm) / 1e3, "norm_all_reduce": norm_ar,
+    return {"nccl_kernels": len(comm), "nccl_ms": sum(b - a for a, b in comm) / 1e3,
             "nccl_overlapped_ms": under_compute(comm), "per_collective": per_kind,
             "compute_busy_ms": sum(b - a for a, b in merged) / 1e3, "gpu_span_ms": span / 1e3,
             "top_kernels": [(name[:90], len(ts), sum(ts) / 1e3) for name, ts in top]}
@@ -312,9 +290,6 @@ def main(argv=None) -> int:
                 n = r["norm_all_reduce"]
                 print(f"{r['mode']:>10} norm all-reduce {n['shape']}: {n['ops_between']} backward ops between issue "
                       f"and wait, {n['gemms_between']} of them GEMMs")
-            for k in (r["comm"] or {}).get("norm_all_reduce", []):
-                print(f"{r['mode']:>10} profile: norm all-reduce kernel {k['shape']}: {k['us']:.1f} us, "
-                      f"{k['under_compute_us']:.1f} us of it under compute")
         for r in results:
             if r["comm"]:
                 c = r["comm"]

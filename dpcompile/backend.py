@@ -331,7 +331,6 @@ class DPPartitioner(CustomPartitionerFn):
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx
 
-
     def _tp_gradient_kinds(self, inputs: list[GraphInput]) -> dict[int, str]:
         """Tensor parallel: input index -> what each trainable parameter's gradient is on this rank ("shard",
         "replicate", "partial"; tensor_parallel's docstring), from the placement DTensor gave the gradient

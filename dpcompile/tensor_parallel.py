@@ -98,6 +98,8 @@ def gradient_placements() -> dict[int, Any] | None:
     classify rather than guess."""
     import sys
 
+    from torch.distributed.tensor import DTensor
+
     frame = sys._getframe(1)
     while frame is not None:
         meta = frame.f_locals.get("maybe_subclass_meta")
@@ -106,8 +108,6 @@ def gradient_placements() -> dict[int, Any] | None:
             out: dict[int, Any] = {}
             for i, m in enumerate(metas):
                 sub = getattr(m, "original_subclass", None)
-                from torch.distributed.tensor import DTensor
-
                 is_dtensor = isinstance(sub, DTensor) or getattr(m, "type", None) is DTensor
                 out[i] = _dtensor_placements(getattr(m, "meta", None)) if is_dtensor else None
             return out

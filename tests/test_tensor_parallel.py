@@ -39,6 +39,8 @@ def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_
         assert sorted(rep["tp_summary"]["partial_params"]) == of("partial"), rep["tp_summary"]
         partial_numel = sum(len(r0["noise"][n]) for n in of("partial"))
         assert rep["norm_all_reduce"] == ([B, 1 + partial_numel] if partial_numel else [B]), rep["norm_all_reduce"]
+        # issued where its last operand is made, waited where the clip coefficients are: compute runs between
+        assert any("c10d" not in op for op in rep["under_norm_all_reduce"]), rep["under_norm_all_reduce"]
         if case == "gpt":  # tensor parallel MLP: the attention's backward runs while the norms are summed
             assert any(op.endswith(("aten.mm.default", "aten.bmm.default")) for op in rep["under_norm_all_reduce"]), \
                 rep["under_norm_all_reduce"]

@@ -30,6 +30,13 @@ def make(case):
         return M.LlamaLM(), M.seq_ce, 13
     if case == "gpt_odd":  # widths 12, 36, 48 and vocab 13: unaligned for the padding tests
         return M.GPT(d=12, n_head=2, n_layer=1), M.seq_ce, 13
+    if case == "hf_llama":  # third-party code: transformers' Llama, which counts its heads from the widths
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=29, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8, bos_token_id=0,
+                          eos_token_id=0, pad_token_id=0, use_cache=False)
+        return LlamaForCausalLM(cfg), lambda out, y: M.seq_ce(out.logits, y), cfg.vocab_size
     if case in ("llama_sp", "gpt_sp", "llama_tp"):  # torchtitan's layout, for its (sequence-)parallel plan
         return M.TitanLM(kind=case.split("_")[0]), M.seq_ce, 13
     raise ValueError(case)
@@ -628,6 +635,11 @@ def _tp_plan(case):
 
     if case.endswith(("_sp", "_tp")):  # torchtitan's plan of the whole model (_sp: sequence parallel too)
         return None, None
+    if case == "hf_llama":  # transformers' own tensor-parallel plan for Llama (base_model_tp_plan), by hand
+        return lambda m: list(m.model.layers), {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
     if case == "gpt":  # the MLP (the fused qkv splits by width: not a tensor-parallel attention)
         return lambda m: list(m.blocks), {"fc": ColwiseParallel(), "out": RowwiseParallel()}
     if case == "llama":  # attention and MLP

@@ -1,6 +1,6 @@
 """Tensor parallelism (parallelize_module, one 1-D mesh), 2 gloo ranks: exact gradients, one norm all-reduce, noise.
 
-Cases: a GPT MLP and a Llama block (Colwise/Rowwise), torchtitan's layout of a Llama under its
+Cases: a GPT MLP and a Llama block (Colwise/Rowwise), transformers' Llama (third-party code), torchtitan's layout of a Llama under its
 tensor-parallel plan, and of a Llama and a GPT-style decoder (LayerNorm and biases) under its sequence-parallel
 plan: a RowwiseParallel embedding (a Shard(0)
 weight with a Replicate gradient) and SequenceParallel norms (Partial gradients: each rank holds its tokens'
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="ne
 @pytest.mark.parametrize("case,schedule,compiler", [
     ("gpt", "bk", "eager"), ("gpt", "ghost", "eager"), ("llama", "bk", "inductor"), ("llama", "ghost", "eager"),
     ("llama_sp", "bk", "inductor"), ("llama_sp", "ghost", "eager"), ("gpt_sp", "bk", "eager"),
-    ("gpt_sp", "ghost", "inductor"), ("llama_tp", "bk", "eager"),
+    ("gpt_sp", "ghost", "inductor"), ("llama_tp", "bk", "eager"), ("hf_llama", "ghost", "eager"),
 ])
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
         case, schedule, compiler, tmp_path):

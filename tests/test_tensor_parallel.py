@@ -1,10 +1,10 @@
 """Tensor parallelism (parallelize_module, one 1-D mesh), 2 gloo ranks: exact gradients, one norm all-reduce, noise.
 
-Cases: a GPT MLP and a Llama block (Colwise/Rowwise), transformers' Llama (third-party code), torchtitan's layout of a Llama under its
-tensor-parallel plan, and of a Llama and a GPT-style decoder (LayerNorm and biases) under its sequence-parallel
-plan: a RowwiseParallel embedding (a Shard(0)
-weight with a Replicate gradient) and SequenceParallel norms (Partial gradients: each rank holds its tokens'
-part of every sample's gradient).
+Cases: a GPT MLP and a Llama block (Colwise/Rowwise), transformers' Llama under its own plan (third-party
+code), torchtitan's layout of a Llama under its tensor-parallel plan, and of a Llama and a GPT-style decoder
+(LayerNorm and biases) under its sequence-parallel plan: a RowwiseParallel embedding (a Shard(0) weight with a
+Replicate gradient) and SequenceParallel norms (Partial gradients: each rank holds its tokens' part of every
+sample's gradient).
 """
 import math
 

@@ -392,6 +392,23 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["tensor_parallel_partial"] = "no error"
     except (ValueError, dpcompile.DPCompileError) as e:
         results["tensor_parallel_partial"] = str(e)
+    # tensor parallel where AOTAutograd's record of the gradients' placements cannot be found (a torch version
+    # that moved it): refused, never guessed from the parameters' placements
+    torch._dynamo.reset()
+    import dpcompile.backend as dp_backend
+
+    torch.manual_seed(0)
+    model = M.GPT(d=8, n_head=2, n_layer=1)
+    parallelize_module(model.blocks[0], mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+    found = dp_backend.gradient_placements
+    dp_backend.gradient_placements = lambda: None
+    try:
+        torch.compile(step, backend=backend)(tp_ids, tp_ids)
+        results["tp_placements_unknown"] = "no error"
+    except (ValueError, dpcompile.DPCompileError) as e:
+        results["tp_placements_unknown"] = str(e)
+    finally:
+        dp_backend.gradient_placements = found
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -211,6 +211,9 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         # tensor parallel: a plain gate on a ColwiseParallel output has part of each sample's gradient per rank
         assert "parameter 'mlp.gate' has a gradient that is the same on every rank" in rep["tensor_parallel_partial"], rep
         assert "one rank's shard" in rep["tensor_parallel_partial"], rep
+        # no record of the gradients' placements: refused by name rather than classified by a guess
+        assert "cannot read the placements" in rep["tp_placements_unknown"], rep
+        assert "blocks.0.fc.weight" in rep["tp_placements_unknown"], rep
 
 
 def test_distributed_checkpoint_resume_matches_uninterrupted_run(tmp_path):

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="ne
 
 @pytest.mark.parametrize("case,schedule,compiler", [
     ("gpt", "bk", "eager"), ("gpt", "ghost", "eager"), ("llama", "bk", "inductor"), ("llama", "ghost", "eager"),
-    ("llama_sp", "bk", "inductor"), ("llama_sp", "ghost", "eager"), ("gpt_sp", "bk", "eager"),
-    ("gpt_sp", "ghost", "inductor"), ("llama_tp", "bk", "eager"), ("hf_llama", "ghost", "eager"),
+    # sequence parallel: each schedule once, Inductor once (CI time)
+    ("llama_sp", "bk", "inductor"), ("gpt_sp", "ghost", "eager"), ("llama_tp", "bk", "eager"),
+    ("hf_llama", "ghost", "eager"),
 ])
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
         case, schedule, compiler, tmp_path):

@@ -294,7 +294,7 @@ class DPPartitioner(CustomPartitionerFn):
         params, data, reshard = [], {}, set()
         inputs = self.record.inputs
         ordinal = {gi.index: k for gi, k in _param_ordinals(inputs)}
-        grad_kind = self._tp_gradient_kinds(inputs) if self.tp is not None else {}
+        grad_kind = self._tp_gradient_kinds(inputs, ordinal) if self.tp is not None else {}
         for gi in inputs:
             node = by_index.get(gi.index)
             if node is None:
@@ -331,7 +331,7 @@ class DPPartitioner(CustomPartitionerFn):
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx
 
-    def _tp_gradient_kinds(self, inputs: list[GraphInput]) -> dict[int, str]:
+    def _tp_gradient_kinds(self, inputs: list[GraphInput], ordinal: dict[int, int]) -> dict[int, str]:
         """Tensor parallel: input index -> what each trainable parameter's gradient is on this rank ("shard",
         "replicate", "partial"; tensor_parallel's docstring), from the placement DTensor gave the gradient
         (not the parameter's: a RowwiseParallel embedding is Shard(0) with a Replicate gradient). Shards draw
@@ -357,8 +357,7 @@ class DPPartitioner(CustomPartitionerFn):
                     f"(the parameter: {gi.tp}); dpcompile takes Shard(d), Replicate and Partial(sum) gradients "
                     f"on a 1-D mesh")
             kinds[gi.index] = kind
-        ordinals = dict((gi.index, k) for gi, k in _param_ordinals(inputs))
-        self.backend.noise.index_ranks = {ordinals[i]: (self.tp.rank if kind == "shard" else 0)
+        self.backend.noise.index_ranks = {ordinal[i]: (self.tp.rank if kind == "shard" else 0)
                                           for i, kind in kinds.items()}
         return kinds
 

@@ -44,16 +44,10 @@ def is_tp_dtensor(t: Any) -> bool:
 def tp_placement(t: Any) -> str:
     """"shard" or "replicate" for a supported tensor-parallel parameter; "" for one dpcompile cannot take
     (another mesh shape or placement: the caller refuses it by name)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if t.device_mesh.ndim != 1 or len(t.placements) != 1:
+    if t.device_mesh.ndim != 1:
         return ""
-    (p,) = t.placements
-    if type(p) is Shard:
-        return "shard"
-    if type(p) is Replicate:
-        return "replicate"
-    return ""
+    kind = placement_kind(t.placements)
+    return kind if kind in ("shard", "replicate") else ""  # a parameter is never a pending sum
 
 
 def placement_kind(placements: Any) -> str:

@@ -220,9 +220,10 @@ def local_terms(g: fx.Node, param: str, tp_group: str | None = None) -> list[tup
 def _partial_over_tp(param: str, node: fx.Node) -> DPCompileError:
     return DPCompileError(
         f"dp_fsdp: the gradient of parameter '{param}' is summed over the tensor-parallel group (op "
-        f"{op_name(node)} in module {module_of(node)}): each rank holds part of every sample's gradient (a "
-        f"sequence-parallel region, e.g. a norm under SequenceParallel), whose per-sample sum over the group "
-        f"dpcompile does not form yet. Leave that module out of the sequence-parallel plan.")
+        f"{op_name(node)} in module {module_of(node)}) inside the step: each rank holds part of every sample's "
+        f"gradient and the step itself sums them (dpcompile.fully_shard on a tensor-parallel model, or a "
+        f"redistribute of a Partial gradient, would), which dpcompile does not take yet. Leave the gradient a "
+        f"Partial DTensor (SequenceParallel does): dpcompile then sums its per-sample parts for the norm.")
 
 
 def _innermost_local(reduction: fx.Node) -> fx.Node:

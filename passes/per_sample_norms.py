@@ -397,13 +397,9 @@ def _tp_norm_terms(b: GraphBuilder, issued: fx.Node, has_shards: bool, has_parti
     red = b.call(torch.ops._c10d_functional.wait_tensor.default, issued)
     if not has_partials:
         return [red]
-    terms = []
-    if has_shards:
-        terms.append(b.call(aten.select.int, red, 1, 0))
-    if has_partials:
-        part = b.call(aten.slice.Tensor, red, 1, 1, None) if has_shards else red
-        terms.append(b.sq_sum_per_sample(part))
-    return terms
+    if not has_shards:
+        return [b.sq_sum_per_sample(red)]
+    return [b.call(aten.select.int, red, 1, 0), b.sq_sum_per_sample(b.call(aten.slice.Tensor, red, 1, 1, None))]
 
 
 def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
@@ -438,21 +434,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["norm"] = "materialize (whole gradient)" + (", summed over the tp group first" if partial else "")
             ctx.counters["norm_whole_gradient"] += 1
             continue
-        if partial:
-            # this rank's part of each sample's gradient, [B, n]: summed over the group before the norm
-            with graph.inserting_after(anchor):
-                b.meta_source = anchor
-                memo = {}
-                full = _combine(b, [(_replay(b, nb, n, pg, memo), beta) for n, beta in locals_])
-                n = pg.param.primal.meta["val"].numel()
-                tp_partials.append(b.f32(b.reshape(full, [ctx.batch_size, n])))
-            entry["decomposition"] = (f"{len(pg.terms)} contribution(s) ({'+'.join(c.kind for c, _ in pg.terms)}), "
-                                      f"this rank's part of a sum over the tensor-parallel group (Partial)")
-            entry["norm"] = "materialize, summed over the tp group"
-            entry["why"] = "the norm of a sum over ranks is not the sum of their norms"
-            ctx.counters["norm_tp_partial"] += 1
-            continue
-        if pg.norm_preserving:
+        if pg.norm_preserving and not partial:
             c, alpha = pg.terms[0]
             anchor = c.node
             with graph.inserting_after(anchor):
@@ -465,12 +447,25 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["why"] = why
             ctx.counters[f"norm_{c.kind}_{algo}"] += 1
         else:
+            # the per-sample gradient [B, *shape], materialized; a tensor-parallel partial one is this rank's
+            # part of each sample's gradient, summed over the group (in the norm all-reduce) before its norm
             with graph.inserting_after(anchor):
                 b.meta_source = anchor
                 memo: dict = {}
                 full = _combine(b, [(_replay(b, nb, n, pg, memo), beta) for n, beta in locals_])
-                sq = b.sq_sum_per_sample(full)
+                if partial:
+                    numel = pg.param.primal.meta["val"].numel()
+                    tp_partials.append(b.f32(b.reshape(full, [ctx.batch_size, numel])))
+                else:
+                    sq = b.sq_sum_per_sample(full)
             kinds = "+".join(c.kind for c, _ in pg.terms)
+            if partial:
+                entry["decomposition"] = (f"{len(pg.terms)} contribution(s) ({kinds}), this rank's part of a "
+                                          f"sum over the tensor-parallel group (Partial)")
+                entry["norm"] = "materialize, summed over the tp group"
+                entry["why"] = "the norm of a sum over ranks is not the sum of their norms"
+                ctx.counters["norm_tp_partial"] += 1
+                continue
             entry["decomposition"] = f"{len(pg.terms)} contributions ({kinds}) through a reshaping chain"
             entry["norm"] = "materialize"
             entry["why"] = "shared or reshaped gradient: norm of the per-sample sum, computed exactly"

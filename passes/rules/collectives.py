@@ -28,20 +28,21 @@ from ..batch_state import Batched
 _C10D = torch.ops._c10d_functional
 
 
-def _tp_only(an, node, group, what):
+def _tp_only(an, node, group, what, op="sum"):
+    """Refuses a collective over any group but the tp group, and a reduction other than a sum."""
     tp = an.ctx.tp_group
     if tp is None or group != tp:
         raise an.refuse(node, f"{what} over process group {group!r} of per-sample values: its ranks hold "
                               f"different samples, so the result mixes them",
                         "keep collectives of activations to the tensor-parallel group (parallelize_module)")
+    if op != "sum":
+        raise an.refuse(node, f"{what} ({op}) over the tensor-parallel group: only sums of the ranks' pieces of "
+                              f"a sample are proven per-sample")
 
 
 def _all_reduce(an, node):
     x, op, group = node.args[0], node.args[1], node.args[2]
-    _tp_only(an, node, group, "an all-reduce")
-    if op != "sum":
-        raise an.refuse(node, f"an all-reduce ({op}) over the tensor-parallel group: only sums of the ranks' "
-                              f"pieces of a sample are proven per-sample")
+    _tp_only(an, node, group, "an all-reduce", op)
     return an.st(x)
 
 
@@ -56,10 +57,7 @@ def _all_gather(an, node):
 
 def _reduce_scatter(an, node):
     x, op, size, group = node.args[0], node.args[1], node.args[2], node.args[3]
-    _tp_only(an, node, group, "a reduce-scatter")
-    if op != "sum":
-        raise an.refuse(node, f"a reduce-scatter ({op}) over the tensor-parallel group: only sums of the "
-                              f"ranks' pieces of a sample are proven per-sample")
+    _tp_only(an, node, group, "a reduce-scatter", op)
     s = an.st(x)
     if s.dim != 0:
         return s

@@ -29,11 +29,13 @@ from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
+from dpcompile.passes.per_sample_norms import NORM_ALL_REDUCE_META
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.step_split import Split, describe_split, split_error_text
 from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes,
-                                       gradient_placements, is_tp_dtensor, placement_kind, tp_mesh, tp_placement)
+                                       gradient_placements, is_tp_dtensor, placement_kind, tp_layout, tp_mesh,
+                                       tp_placement)
 
 SEEDS_INPUT_NAME = "dpcompile_noise_seeds"
 
@@ -68,6 +70,15 @@ class CompiledStep:
     # compile that filled it); "miss": compiled and cached; "": the cache was off (dumps, TORCH_TRACE, eager)
     cache: str = ""
     compile_reason: str = ""  # why dynamo ended this graph where it did (its first line)
+
+    def norm_all_reduce_window(self) -> tuple[tuple[str, tuple], list[tuple[str, tuple]]] | None:
+        """Tensor parallel: the per-sample norm all-reduce as (op, shape) and the backward ops between its
+        issue and its wait (what it can run under); None without one."""
+        ops, where = self.ops.get("backward", []), self.summary.get("tensor_parallel", {}).get("window")
+        if not where:
+            return None
+        issue, wait = where
+        return ops[issue], ops[issue + 1:wait]
 
 
 def _where(e: BaseException) -> str:
@@ -126,7 +137,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
                                   reshard_after_forward=bool(getattr(example, "_dpcompile_reshard_after_forward", False)),
                                   sharded=_is_dtensor(example) and not is_tp_dtensor(example),
                                   foreign_dtensor=_foreign_dtensor(example),
-                                  tp=tp_placement(example) if is_tp_dtensor(example) else ""))
+                                  tp=tp_placement(example) if is_tp_dtensor(example) or tp_layout(example) else ""))
         elif "_buffers[" in src:
             out.append(GraphInput(i, "buffer", clean_module_path(src)))
         elif src.startswith("L["):
@@ -138,25 +149,21 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
 
 
 def check_sharding(inputs: list[GraphInput], example_inputs) -> TPMesh | None:
-    """All trainable parameters sharded by fully_shard on one mesh, or none; or tensor parallel on one 1-D
-    mesh (returned)."""
+    """All trainable parameters sharded by fully_shard on one (dp) mesh, or none; tensor parallel on one 1-D
+    tp mesh, alone or under fully_shard (returned)."""
     params = [(gi, ex) for gi, ex in zip(inputs, example_inputs) if gi.kind == "param"]
     foreign = [gi for gi, _ in params if gi.foreign_dtensor]
     if foreign:
         desc = "; ".join(f"{gi.name}: {gi.foreign_dtensor}" for gi in foreign[:4])
         raise DPCompileError(
             f"dp_fsdp: parameters that are DTensors of a layout dpcompile does not support ({desc}"
-            f"{' ...' if len(foreign) > 4 else ''}). Supported: dpcompile.fully_shard over one mesh, or tensor "
+            f"{' ...' if len(foreign) > 4 else ''}). Supported: dpcompile.fully_shard over one mesh, tensor "
             f"parallelism (parallelize_module with ColwiseParallel / RowwiseParallel) over one 1-D mesh, whose "
-            f"parameters are Shard(d) or Replicate DTensors; 2-D (data x tensor parallel) meshes and other "
-            f"placements are not supported yet."
+            f"parameters are Shard(d) or Replicate DTensors, or both (parallelize_module over mesh['tp'], then "
+            f"dpcompile.fully_shard over mesh['dp'] of one (dp, tp) mesh); other placements are not supported."
         )
     tp = [(gi, ex) for gi, ex in params if gi.tp]
-    if tp:
-        if any(gi.sharded for gi, _ in params):
-            raise DPCompileError(
-                "dp_fsdp: a model both sharded with dpcompile.fully_shard and tensor parallel "
-                f"({tp[0][0].name}: {tuple(tp[0][1].placements)}) is not supported yet; use one of the two")
+    if tp and not any(gi.sharded for gi, _ in params):
         return tp_mesh([(gi.name, ex) for gi, ex in tp])
     sharded = [(gi, ex) for gi, ex in params if gi.sharded]
     if not sharded:
@@ -168,12 +175,13 @@ def check_sharding(inputs: list[GraphInput], example_inputs) -> TPMesh | None:
             f"apply dpcompile.fully_shard to every block and then to the root module (it shards whatever "
             f"parameters are left), so each gradient is reduced across ranks exactly once"
         )
-    meshes = distinct_meshes([(gi.name, ex) for gi, ex in sharded])
+    # the dp mesh: a tensor-parallel parameter's is the dp dim of its 2-D mesh
+    meshes = distinct_meshes([(gi.name, tp_layout(ex).dp_mesh if tp_layout(ex) else ex) for gi, ex in sharded])
     if len(meshes) > 1:
         desc = "; ".join(f"{name} on {mesh}" for name, mesh in meshes)
         raise DPValueError(f"dp_fsdp: parameters live on different device meshes ({desc}); shard all of them "
                            f"with fully_shard(..., mesh=<one mesh>)")
-    return None
+    return tp_mesh([(gi.name, ex) for gi, ex in tp]) if tp else None
 
 
 def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split: Split | None) -> None:
@@ -248,6 +256,8 @@ class DPPartitioner(CustomPartitionerFn):
         self._dump("forward", fw)
         self._dump("backward", bw)
         self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))
+        if "tensor_parallel" in ctx.summary:
+            ctx.summary["tensor_parallel"]["window"] = _norm_all_reduce_window(bw)
         ctx.summary["counters"] = dict(ctx.counters)
         ctx.summary["graph_ops"] = {
             "forward": _op_counts(fw), "backward": _op_counts(bw),
@@ -308,7 +318,8 @@ class DPPartitioner(CustomPartitionerFn):
                 # the seed of the parameter's ordinal: the same on every rank (an input's position is not:
                 # ranks' graphs may differ in their symbolic-size inputs), known before the passes run
                 # (tensor-parallel replicas pick their stream by it, NoiseSeeds.index_ranks)
-                params.append(ParamInfo(gi.name, node, j, ordinal[gi.index], tp=grad_kind.get(gi.index, "")))
+                kind = grad_kind.get(gi.index, "")
+                params.append(ParamInfo(gi.name, node, j, ordinal[gi.index], tp=kind, tp_grad=kind))
             elif gi.kind == "data":
                 data[node] = (gi.name, gi.batch_dim)
         seeds_pos = len(inputs)
@@ -325,6 +336,7 @@ class DPPartitioner(CustomPartitionerFn):
             compile_reason=self.record.compile_reason,
             tp_group=self.tp.group if self.tp is not None else None,
             tp_rank=self.tp.rank if self.tp is not None else 0,
+            tp_size=self.tp.size if self.tp is not None else 1,
             # tensor parallel: the placeholders whose values differ across the group (shards, frozen ones too)
             tp_local_primals={by_index[gi.index] for gi in inputs if gi.tp == "shard" and gi.index in by_index},
         )
@@ -350,15 +362,16 @@ class DPPartitioner(CustomPartitionerFn):
                     f"torch version's AOTAutograd (torch {torch.__version__}), so '{gi.name}' cannot be "
                     f"classified as a shard, a replica or a partial sum of its gradient; use torch 2.11 or 2.13")
             pl = placements.get(gi.index)
-            kind = placement_kind(pl)
+            # a fully_shard parameter is 2-D (dp, tp): its gradient is reduce-scattered over dp and its
+            # meaning within the tp group is the last placement
+            kind = placement_kind(pl[-1:] if gi.sharded and pl is not None and len(pl) == 2 else pl)
             if not kind:
                 raise DPCompileError(
                     f"dp_fsdp: the gradient of tensor-parallel parameter '{gi.name}' has placements {pl} "
                     f"(the parameter: {gi.tp}); dpcompile takes Shard(d), Replicate and Partial(sum) gradients "
-                    f"on a 1-D mesh")
+                    f"on the tp mesh")
             kinds[gi.index] = kind
-        self.backend.noise.index_ranks = {ordinal[i]: (self.tp.rank if kind == "shard" else 0)
-                                          for i, kind in kinds.items()}
+        self.backend.noise.index_ranks = {ordinal[i]: self.tp.stream(kind) for i, kind in kinds.items()}
         return kinds
 
 
@@ -414,6 +427,19 @@ def _input_index(desc) -> int | None:
             return None
         desc = desc.base
     return getattr(desc, "idx", None)
+
+
+def _norm_all_reduce_window(gm: fx.GraphModule) -> tuple[int, int] | None:
+    """Positions in _op_list(gm) of the tensor-parallel norm all-reduce (per_sample_norms marks it) and its
+    wait."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    issue = next((i for i, n in enumerate(calls) if n.meta.get(NORM_ALL_REDUCE_META)), None)
+    if issue is None:
+        return None
+    wait = next(i for i in range(issue, len(calls))
+                if calls[i].target is torch.ops._c10d_functional.wait_tensor.default and
+                calls[i].args[0] is calls[issue])
+    return issue, wait
 
 
 def _op_list(gm: fx.GraphModule) -> list[tuple[str, tuple]]:
@@ -687,7 +713,8 @@ def _noise_rank(inputs: list[GraphInput], example_inputs) -> int:
     """
     for gi, ex in zip(inputs, example_inputs):
         if gi.sharded:
-            return ex.device_mesh.get_local_rank(mesh_dim=ex.device_mesh.ndim - 1)
+            mesh = tp_layout(ex).dp_mesh if tp_layout(ex) is not None else ex.device_mesh
+            return mesh.get_local_rank(mesh_dim=mesh.ndim - 1)
     return _rank()
 
 

@@ -7,6 +7,16 @@ The module reads each parameter through a property that all-gathers it with
 dynamo traces into functional collectives: all-gathers in the forward and
 reduce-scatters in the backward of the joint graph, where the dp passes can
 see and move them.
+
+On a tensor-parallel model (torch's ``parallelize_module`` over a tp mesh,
+then ``fully_shard`` over the dp mesh of the same device mesh), a
+tensor-parallel parameter becomes a 2-D DTensor on (dp, tp): its tp-local
+tensor sharded on dim 0 over dp (``_StridedShard`` where tp already shards
+dim 0, as FSDP2 lays it out), so ``state_dict`` and DCP see the whole
+parameter. Reading it gathers over dp and hands the module the 1-D tp
+DTensor the plan made; its gradient is reduce-scattered over dp (and, where
+DTensor made it a Partial sum over tp, all-reduced over tp first: the
+backend takes that all-reduce as the sum of the tp ranks' parts).
 """
 from __future__ import annotations
 
@@ -16,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from dpcompile.batching import mark_traced_batch
 
@@ -27,6 +38,38 @@ class MixedPrecisionPolicy:
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _TPLayout:
+    """How a tensor-parallel parameter sits in its 2-D (dp, tp) DTensor: what the module reads back."""
+
+    dp_mesh: DeviceMesh
+    tp_mesh: DeviceMesh
+    tp_placement: object  # the plan's placement of the parameter on the tp mesh
+    tp_local_shape: torch.Size  # this tp rank's tensor, which dp shards on dim 0
+    shape: torch.Size  # the whole parameter
+    stride: tuple[int, ...]
+
+
+def _gather_tp(param: DTensor, layout: _TPLayout, mp: MixedPrecisionPolicy) -> DTensor:
+    # this rank's dp piece of its tp tensor, gathered over dp (the gradient: reduce-scattered back), then
+    # the 1-D tp DTensor the module computes with; from_local's backward turns a Partial gradient into
+    # the plan's placement (an all-reduce over tp in the graph)
+    piece = DTensor.from_local(param.to_local(), layout.dp_mesh, [Shard(0)], run_check=False,
+                               shape=layout.tp_local_shape, stride=_contiguous_stride(layout.tp_local_shape))
+    local = piece.redistribute(layout.dp_mesh, [Replicate()], forward_dtype=mp.param_dtype,
+                               backward_dtype=mp.reduce_dtype).to_local(grad_placements=[Partial("sum")])
+    return DTensor.from_local(local, layout.tp_mesh, [layout.tp_placement], run_check=False,
+                              shape=layout.shape, stride=layout.stride)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
 
 
 def _gather(param: DTensor, mp: MixedPrecisionPolicy) -> torch.Tensor:
@@ -49,6 +92,9 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
                     # dynamo runs this for real while tracing: it makes the step's
                     # batch dim unbacked before any op of the model (dpcompile.batching)
                     mark_traced_batch()
+                    layout = self._dpcompile_tp.get(name)
+                    if layout is not None:
+                        return _gather_tp(p, layout, self._dpcompile_mp)
                     return _gather(p, self._dpcompile_mp)
                 except AttributeError as e:
                     # an AttributeError out of a property makes Python call nn.Module.__getattr__,
@@ -61,6 +107,43 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     attrs = {n: make(n) for n in names}
     attrs["_dpcompile_sharded_names"] = names
     return type(f"DPSharded{cls.__name__}", (cls,), attrs)
+
+
+def _made_here(p: nn.Parameter) -> bool:
+    return hasattr(p, "_dpcompile_reshard_after_forward")
+
+
+def _shard_tensor_parallel(p: DTensor, mesh: DeviceMesh, name: str) -> tuple[DTensor, _TPLayout]:
+    """A tensor-parallel parameter as a 2-D DTensor on (dp, tp): this rank's tp tensor sharded on dim 0
+    over dp, as FSDP2 lays it out."""
+    tp_mesh = p.device_mesh
+    if mesh.ndim != 1 or tp_mesh.ndim != 1 or len(p.placements) != 1 or \
+            type(p.placements[0]) not in (Shard, Replicate):
+        raise ValueError(
+            f"fully_shard: parameter '{name}' is a DTensor with placements {tuple(p.placements)} on {tp_mesh}; "
+            f"dpcompile.fully_shard takes tensor-parallel parameters (parallelize_module: Shard(d) or Replicate "
+            f"on a 1-D tp mesh) with a 1-D dp mesh of the same device mesh (mesh['dp'] of "
+            f"init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp'))); HSDP with tensor parallelism is "
+            f"not supported")
+    try:
+        root = DeviceMesh._concatenate([mesh, tp_mesh])
+    except Exception as e:  # noqa: BLE001 - torch's message says which check failed
+        raise ValueError(
+            f"fully_shard: parameter '{name}' is tensor parallel on {tp_mesh}, which is not the other dim of one "
+            f"device mesh with the dp mesh {mesh} ({type(e).__name__}: {e}); build both as mesh['dp'] and "
+            f"mesh['tp'] of one init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp'))") from e
+    (tp_pl,) = p.placements
+    local = p.to_local().detach()
+    if local.dim() == 0:
+        raise ValueError(f"fully_shard: tensor-parallel parameter '{name}' is a scalar; it cannot be sharded")
+    n, k = mesh.size(), mesh.get_local_rank()
+    pieces = list(torch.chunk(local, n, 0))  # DTensor's Shard(0) split: torch.chunk, empty pieces at the end
+    piece = pieces[k] if k < len(pieces) else local.new_empty((0, *local.shape[1:]))
+    # where tp already shards dim 0, dp shards each tp rank's rows: a strided shard of the whole
+    split = tp_mesh.size() if type(tp_pl) is Shard and tp_pl.dim == 0 else 1
+    dp_pl = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    dt = DTensor.from_local(piece.clone(), root, [dp_pl, tp_pl], run_check=False, shape=p.shape, stride=p.stride())
+    return dt, _TPLayout(mesh, tp_mesh, tp_pl, local.shape, p.shape, tuple(p.stride()))
 
 
 def fully_shard(
@@ -82,26 +165,35 @@ def fully_shard(
         raise ValueError(f"fully_shard supports 1-D (FSDP) and 2-D (HSDP) meshes, got {mesh.ndim}-D")
     mp = mp_policy or MixedPrecisionPolicy()
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
-    converted: dict[int, nn.Parameter] = {}  # tied parameters stay tied
-    for sub in module.modules():
+    converted: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}  # tied parameters stay tied
+    for mod_name, sub in module.named_modules():
         names = tuple(
             n for n, p in sub._parameters.items()
-            if p is not None and not isinstance(p, DTensor)
+            if p is not None and not _made_here(p)
         )
         if not names:
             continue
+        layouts = dict(getattr(sub, "_dpcompile_tp", {}))
         for n in names:
             p = sub._parameters[n]
             if id(p) not in converted:
-                dt = distribute_tensor(p.detach(), mesh, placements)
+                if isinstance(p, DTensor):
+                    dt, layout = _shard_tensor_parallel(p, mesh, f"{mod_name + '.' if mod_name else ''}{n}")
+                else:
+                    dt, layout = distribute_tensor(p.detach(), mesh, placements), None
                 new = nn.Parameter(dt, requires_grad=p.requires_grad)
                 new._dpcompile_reshard_after_forward = reshard_after_forward  # read by the backend
-                converted[id(p)] = new
-            sub._parameters[n] = converted[id(p)]
+                if layout is not None:
+                    new._dpcompile_tp_layout = layout  # read by the backend: the gradient's tp meaning
+                converted[id(p)] = (new, layout)
+            sub._parameters[n], layout = converted[id(p)]
+            if layout is not None:
+                layouts[n] = layout
         already = getattr(sub, "_dpcompile_sharded_names", ())
         base = sub.__class__.__bases__[0] if already else sub.__class__
         sub.__class__ = _sharded_class(base, tuple(dict.fromkeys(already + names)))
         sub._dpcompile_mp = mp
+        sub._dpcompile_tp = layouts
     module._dpcompile_mesh = mesh
     return module
 

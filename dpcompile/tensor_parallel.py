@@ -1,4 +1,8 @@
-"""Tensor parallelism (torch's ``parallelize_module``) on a 1-D mesh: which parameters are shards, which replicas.
+"""Tensor parallelism (torch's ``parallelize_module``): which parameters are shards, which replicas.
+
+On a 1-D tp mesh, or on the tp dim of a (dp, tp) mesh after
+``dpcompile.fully_shard`` over dp (a parameter is then a 2-D DTensor and its
+tp meaning is its last placement).
 
 Every rank of the tensor-parallel (tp) group runs the same batch. What a
 parameter's gradient on a rank means is its DTensor placement, which DTensor
@@ -32,6 +36,18 @@ from dpcompile.errors import DPCompileError
 class TPMesh:
     group: str  # the process group's name: the graph's collectives name it
     rank: int  # this rank's coordinate on the tp mesh
+    size: int = 1
+    dp_index: int = 0  # with fully_shard over dp as well: this rank's dp shard (its samples and noise streams)
+
+    def stream(self, kind: str) -> int:
+        """The noise stream of a gradient of this kind: one per (dp shard, tp rank) for shards; replicas,
+        whole on every tp rank, share their dp shard's (partial sums draw on tp rank 0 only)."""
+        return self.dp_index * self.size + (self.rank if kind == "shard" else 0)
+
+
+def tp_layout(t: Any) -> Any:
+    """dpcompile.fully_shard's record of a tensor-parallel parameter it made 2-D (fsdp._TPLayout), or None."""
+    return getattr(t, "_dpcompile_tp_layout", None)
 
 
 def is_tp_dtensor(t: Any) -> bool:
@@ -42,11 +58,15 @@ def is_tp_dtensor(t: Any) -> bool:
 
 
 def tp_placement(t: Any) -> str:
-    """"shard" or "replicate" for a supported tensor-parallel parameter; "" for one dpcompile cannot take
-    (another mesh shape or placement: the caller refuses it by name)."""
-    if t.device_mesh.ndim != 1:
+    """"shard" or "replicate" for a supported tensor-parallel parameter (1-D, or made 2-D by fully_shard);
+    "" for one dpcompile cannot take (another mesh shape or placement: the caller refuses it by name)."""
+    layout = tp_layout(t)
+    if layout is not None:
+        kind = placement_kind([layout.tp_placement])
+    elif t.device_mesh.ndim != 1:
         return ""
-    kind = placement_kind(t.placements)
+    else:
+        kind = placement_kind(t.placements)
     return kind if kind in ("shard", "replicate") else ""  # a parameter is never a pending sum
 
 
@@ -110,24 +130,29 @@ def gradient_placements() -> dict[int, Any] | None:
 
 
 def distinct_meshes(params: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """(first parameter's name, mesh) for each device mesh of the DTensor parameters, compared by value:
-    equal meshes built twice (or copied by tracing) are one mesh."""
+    """(first parameter's name, mesh) for each device mesh of the DTensor parameters (or meshes), compared by
+    value: equal meshes built twice (or copied by tracing) are one mesh."""
     meshes: list[tuple[str, Any]] = []
     for name, t in params:
-        if not any(t.device_mesh == m for _, m in meshes):
-            meshes.append((name, t.device_mesh))
+        mesh = getattr(t, "device_mesh", t)
+        if not any(mesh == m for _, m in meshes):
+            meshes.append((name, mesh))
     return meshes
 
 
 def tp_mesh(params: list[tuple[str, Any]]) -> TPMesh:
-    """The one 1-D mesh every tensor-parallel parameter lives on."""
-    meshes = distinct_meshes(params)
+    """The one 1-D tp mesh every tensor-parallel parameter lives on (with fully_shard: the tp dim of their
+    2-D mesh, and this rank's dp shard)."""
+    layouts = [tp_layout(t) for _, t in params]
+    meshes = distinct_meshes([(n, lay.tp_mesh if lay is not None else t) for (n, t), lay in zip(params, layouts)])
     if len(meshes) > 1:
         desc = "; ".join(f"{n} on {m}" for n, m in meshes)
         raise DPCompileError(f"dp_fsdp: tensor-parallel parameters live on different device meshes ({desc}); "
                              f"parallelize the model over one tensor-parallel mesh")
     mesh = meshes[0][1]
-    return TPMesh(group=mesh.get_group().group_name, rank=mesh.get_local_rank())
+    dp = next((lay.dp_mesh for lay in layouts if lay is not None), None)
+    return TPMesh(group=mesh.get_group().group_name, rank=mesh.get_local_rank(), size=mesh.size(),
+                  dp_index=dp.get_local_rank() if dp is not None else 0)
 
 
 def allow_dtensor_gradients_in_dynamo() -> None:

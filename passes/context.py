@@ -20,8 +20,11 @@ class ParamInfo:
     noise_index: int  # which seed of the seeds input its noise uses
     # tensor parallel, what its gradient on this rank is (the placement DTensor gave it): "shard" (a slice:
     # squared norms add over the tp group), "replicate" (all of it: counted once) or "partial" (this rank's
-    # part of a sum over the group: per-sample gradients summed before the norm); "" without tensor parallelism
+    # part of a sum over the group: per-sample gradients summed before the norm); "" without tensor parallelism.
+    # Starts as tp_grad; param_grads finds where the step converts the gradient in the graph (2-D fully_shard:
+    # a Partial sum all-reduced over tp, a whole gradient cut to this rank's slice) and sets what it was before
     tp: str = ""
+    tp_grad: str = ""  # the same for the gradient the step outputs (DTensor's placement): what its noise is
 
 
 @dataclasses.dataclass
@@ -41,6 +44,7 @@ class DPPassContext:
     noise_gate_input_index: int | None = None  # placeholder index of the 0/1 noise factor (dpcompile.accumulate)
     tp_group: str | None = None  # tensor parallel: the group's name (its collectives in the graph name it)
     tp_rank: int = 0  # this rank's coordinate in the tp group
+    tp_size: int = 1
     tp_local_primals: set = dataclasses.field(default_factory=set)  # placeholders that differ across the group
     # filled by the passes -------------------------------------------------
     batch_size: Any = None

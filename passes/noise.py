@@ -80,12 +80,12 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         groups: dict[tuple[torch.device, str], list[tuple[int, fx.Node, ParamInfo]]] = {}
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
-            if pg.param.tp == "partial" and ctx.tp_rank != 0:
+            if pg.param.tp_grad == "partial" and ctx.tp_rank != 0:
                 # a gradient summed over the tp group (DTensor's Partial): rank 0's part carries its noise,
                 # so the sum gets exactly one draw per coordinate
                 ctx.counters["noise_left_to_tp_rank_0"] += 1
                 continue
-            groups.setdefault((outs[i].meta["val"].device, pg.param.tp), []).append((i, outs[i], pg.param))
+            groups.setdefault((outs[i].meta["val"].device, pg.param.tp_grad), []).append((i, outs[i], pg.param))
             ctx.counters["noise_added"] += 1
 
         def draw(numel: int, param: ParamInfo) -> fx.Node:

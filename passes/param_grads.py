@@ -158,6 +158,14 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     if t is aten.slice_scatter.default and is_zero_constant(node.args[0]):
         terms, _ = decompose(node.args[1], ctx, param, alpha)
         return terms, False
+    if t is operator.getitem and param.tp_grad == "shard":
+        whole = tp_slice_source(node, ctx.tp_rank, ctx.tp_size)
+        if whole is not None:
+            # a gradient whole on every tp rank cut to this rank's slice of a Shard parameter (2-D
+            # fully_shard: a RowwiseParallel embedding's): each sample's norm is the whole one's, counted once
+            param.tp = "replicate"
+            terms, _ = decompose(whole, ctx, param, alpha)
+            return terms, False
     if t is aten.slice.Tensor:
         # e.g. Inductor's shape padding slices a padded contraction back
         terms, _ = decompose(node.args[0], ctx, param, alpha)
@@ -176,19 +184,21 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     raise refuse("this op is applied to the gradient after the sum over samples")
 
 
-def local_terms(g: fx.Node, param: str, tp_group: str | None = None) -> list[tuple[fx.Node, float]]:
+def local_terms(g: fx.Node, param: ParamInfo, ctx: DPPassContext) -> list[tuple[fx.Node, float]]:
     """g as a linear combination sum beta * reduce(local) of this rank's pre-reduction gradients.
 
     Walks from the gradient output through what follows the cross-rank
     reductions (waits, views, casts, slices, sums and scalar factors of their
-    results). [] when no reduction reaches g (one process).
+    results). [] when no reduction reaches g (one process). Tensor parallel:
+    a reduction over the tp group on the way (the step sums a Partial gradient
+    itself, as 2-D fully_shard does) makes the local gradient this rank's part
+    of a sum (``param.tp`` "partial"); a cut to this rank's slice of a gradient
+    whole on every rank is walked through (``param.tp`` "replicate").
     """
     def walk(node, beta):
         t = node.target if isinstance(node, fx.Node) and node.op == "call_function" else None
         if t in COLLECTIVE_REDUCTIONS:
-            if tp_group is not None and node.args[2] == tp_group:
-                raise _partial_over_tp(param, node)
-            return [(_innermost_local(node), beta)]
+            return [(_innermost_local(node, param, ctx), beta)]
         if t is torch.ops._c10d_functional.wait_tensor.default or t in NORM_PRESERVING or t is aten.slice.Tensor:
             # a slice after the reduction cuts an uneven shard's padding off: this rank's gradient
             # before the reduction is the whole parameter's either way
@@ -211,30 +221,38 @@ def local_terms(g: fx.Node, param: str, tp_group: str | None = None) -> list[tup
     found = walk(g, 1.0)
     if found is None and _reaches_a_reduction(g):
         raise DPCompileError(
-            f"dp_fsdp: the gradient of parameter '{param}' combines cross-rank reductions with other terms "
+            f"dp_fsdp: the gradient of parameter '{param.name}' combines cross-rank reductions with other terms "
             f"after the reduction (op {op_name(g)}); dpcompile cannot tell this rank's per-sample gradient"
         )
     return found or []
 
 
-def _partial_over_tp(param: str, node: fx.Node) -> DPCompileError:
-    return DPCompileError(
-        f"dp_fsdp: the gradient of parameter '{param}' is summed over the tensor-parallel group (op "
-        f"{op_name(node)} in module {module_of(node)}) inside the step: each rank holds part of every sample's "
-        f"gradient and the step itself sums them (dpcompile.fully_shard on a tensor-parallel model, or a "
-        f"redistribute of a Partial gradient, would), which dpcompile does not take yet. Leave the gradient a "
-        f"Partial DTensor (SequenceParallel does): dpcompile then sums its per-sample parts for the norm.")
+def tp_slice_source(node: fx.Node, tp_rank: int, tp_size: int) -> fx.Node | None:
+    """G when ``node`` is this rank's piece of G cut into one piece per tp rank (DTensor turning a gradient
+    whole on every rank into its Shard parameter's placement: ``getitem(split(G), tp_rank)``), else None."""
+    if tp_size < 2 or node.target is not operator.getitem:
+        return None
+    split, index = node.args
+    if not isinstance(split, fx.Node) or split.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+        return None
+    return split.args[0] if index == tp_rank and len(split.meta["val"]) == tp_size else None
 
 
-def _innermost_local(reduction: fx.Node) -> fx.Node:
+def _innermost_local(reduction: fx.Node, param: ParamInfo, ctx: DPPassContext) -> fx.Node:
     """The gradient before the first of a chain of reductions (a 2-D mesh reduce-scatters, then all-reduces
-    the result across replicas): what reaches ``reduction`` through waits, views and further reductions."""
-    local = node = unglue(reduction.args[0])
+    the result across replicas; 2-D fully_shard sums a Partial gradient over tp, then reduce-scatters it over
+    dp): what reaches ``reduction`` through waits, views, further reductions and tp slices."""
+    local = node = reduction
     while isinstance(node, fx.Node) and node.op == "call_function":
         if node.target in COLLECTIVE_REDUCTIONS:
+            if ctx.tp_group is not None and node.args[-1] == ctx.tp_group:
+                param.tp = "partial"  # this rank's part; the sum over tp is the gradient
             local = node = unglue(node.args[0])
         elif node.target is torch.ops._c10d_functional.wait_tensor.default or node.target in NORM_PRESERVING:
             node = node.args[0]
+        elif param.tp_grad == "shard" and tp_slice_source(node, ctx.tp_rank, ctx.tp_size) is not None:
+            param.tp = "replicate"  # decompose's reading of the same cut
+            local = node = tp_slice_source(node, ctx.tp_rank, ctx.tp_size)
         else:
             break
     return local
@@ -262,7 +280,7 @@ def param_grad_decomposition_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.
     reduced = has_collective_reductions(gm.graph)
 
     def locals_of(g, p):
-        return local_terms(g, p.name, ctx.tp_group) if reduced else []
+        return local_terms(g, p, ctx) if reduced else []
 
     for p in ctx.params:
         g = outs[p.grad_output_index]

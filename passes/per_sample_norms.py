@@ -16,6 +16,8 @@ Then c_i = min(1, C / (||g_i|| + eps)) and the row scale r_i = c_i * M * k
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -355,6 +357,9 @@ def _stack_sum(b: GraphBuilder, sqs: list[fx.Node]) -> fx.Node:
                                                                   for sq in sqs]), [0])
 
 
+NORM_ALL_REDUCE_META = "dpcompile_tp_norm_all_reduce"
+
+
 def _tp_norm_all_reduce(b: GraphBuilder, graph: fx.Graph, shard_sqs: list[fx.Node], partials: list[fx.Node],
                         ctx) -> fx.Node:
     """The one all-reduce over the tp group per step, issued where the last of its operands exists (its wait
@@ -375,6 +380,7 @@ def _tp_norm_all_reduce(b: GraphBuilder, graph: fx.Graph, shard_sqs: list[fx.Nod
             packed = cols[0] if len(cols) == 1 else b.call(aten.cat.default, cols, 1)
         issued = b.call(c10d.all_reduce.default, packed, "sum", ctx.tp_group)
     issued.meta["dp_batch"] = Batched(0)  # one row per sample: not a gradient's reduction
+    issued.meta[NORM_ALL_REDUCE_META] = True  # found again in the partitioned backward (CompiledStep's window)
     ctx.counters["tp_norm_all_reduces"] += 1
     width = packed.meta["val"].shape[1] if partials else 1
     ctx.summary["tensor_parallel"] = {
@@ -454,7 +460,8 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
                 memo: dict = {}
                 full = _combine(b, [(_replay(b, nb, n, pg, memo), beta) for n, beta in locals_])
                 if partial:
-                    numel = pg.param.primal.meta["val"].numel()
+                    # this rank's whole pre-reduction gradient (under fully_shard: more than its dp shard)
+                    numel = math.prod(full.meta["val"].shape[1:])
                     tp_partials.append(b.f32(b.reshape(full, [ctx.batch_size, numel])))
                 else:
                     sq = b.sq_sum_per_sample(full)

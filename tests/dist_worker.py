@@ -666,20 +666,26 @@ def _tp_plan(case):
     raise ValueError(case)
 
 
-def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
-    """TP over all ranks (one 1-D mesh, the same batch on every rank): gathered gradients equal the float64
-    oracle's; then with noise: replicas (plain and Replicate parameters) draw the same noise on every rank,
-    shards their own."""
+def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler, dp=1):
+    """TP over a 1-D mesh of all ranks (the same batch on every rank), or with dp > 1 on a (dp, tp) mesh with
+    dpcompile.fully_shard over dp (each dp rank its own batch, of unequal sizes): gathered gradients equal the
+    float64 oracle's; then with noise: replicas (plain and Replicate parameters) draw the same noise on every
+    tp rank, shards their own."""
     import json
 
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    mesh = _init(rank, world, init_file)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    tp_mesh, dp_rank = mesh["tp"], mesh["dp"].get_local_rank()
     model, loss_fn, vocab = make(case)
     ref_model = copy.deepcopy(model)
-    B = 4
+    sizes = [4] if dp == 1 else [3, 5, 2, 4][:dp]  # per dp rank
+    B = sum(sizes)
     ids = torch.randint(0, vocab, (B, 6), generator=torch.Generator().manual_seed(1))
+    mine = ids[sum(sizes[:dp_rank]):sum(sizes[:dp_rank + 1])]
     _, norms = dp_reference(ref_model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=B)
     C = float(norms.median())
     ebs = B + 1
@@ -688,7 +694,9 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
     pairs = M.titan_tp_plan(model, sequence_parallel=case.endswith("_sp")) if modules is None else \
         [(m, plan) for m in modules(model)]
     for m, p in pairs:
-        parallelize_module(m, mesh, p)
+        parallelize_module(m, tp_mesh, p)
+    if dp > 1:
+        shard_like_a_user(model, mesh["dp"])
 
     def step(x, y):
         loss = loss_fn(model(x), y).mean()
@@ -697,20 +705,19 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
 
     backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs, schedule=schedule,
                                   compiler=compiler)
-    torch.compile(step, backend=backend)(ids, ids)
-    kinds = {}  # what each gradient is on a rank, by its DTensor placement (not the parameter's)
+    torch.compile(step, backend=backend)(mine, mine)
+    kinds = {}  # what each gradient is on a tp rank, by its DTensor placement on the tp mesh (not the parameter's)
     for name, p in model.named_parameters():
         full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         torch.testing.assert_close(full.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-        pl = p.grad.placements[0] if isinstance(p.grad, DTensor) else None
+        pl = p.grad.placements[-1] if isinstance(p.grad, DTensor) and p.grad.device_mesh.ndim == 2 or \
+            isinstance(p.grad, DTensor) and dp == 1 else None
         kinds[name] = "plain" if pl is None else "shard" if pl.is_shard() else "partial" if pl.is_partial() \
             else "replicate"
     rec = [r for r in backend.compiled if r.dp][0]
-    # the backward's ops between the norm all-reduce (a [B] vector, or [B, 1 + n] with partial gradients'
-    # per-sample parts) and its wait: what it runs under
-    ops = rec.ops["backward"]
-    issue = next(i for i, (op, shape) in enumerate(ops) if "all_reduce" in op and shape[:1] == (B,) and len(shape) <= 2)
-    wait = next(i for i in range(issue, len(ops)) if "wait_tensor" in ops[i][0] and ops[i][1] == ops[issue][1])
+    # the norm all-reduce (a [B] vector, or [B, 1 + n] with partial gradients' per-sample parts) and the
+    # backward's ops between its issue and its wait: what it runs under
+    (_, norm_shape), under = rec.norm_all_reduce_window()
     clean = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
              for n, p in model.named_parameters()}
 
@@ -719,11 +726,12 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler):
     noisy = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=ebs, schedule=schedule,
                                 compiler=compiler)  # no seed: the ranks take rank 0's
     model.zero_grad(set_to_none=True)
-    torch.compile(step, backend=noisy)(ids, ids)
+    torch.compile(step, backend=noisy)(mine, mine)
     noise = {n: ((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) - clean[n]).flatten().tolist()
              for n, p in model.named_parameters()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"counters": dict(rec.counters), "tp_summary": rec.summary.get("tensor_parallel"),
-                   "under_norm_all_reduce": [op for op, _ in ops[issue + 1:wait]], "norm_all_reduce": ops[issue][1],
-                   "kinds": kinds, "noise": noise, "std": sigma * C / ebs}, f)
+                   "under_norm_all_reduce": [op for op, _ in under], "norm_all_reduce": [str(s) for s in norm_shape],
+                   "kinds": kinds, "noise": noise, "std": sigma * C / ebs, "batch": len(mine), "dp_rank": dp_rank,
+                   "tp_rank": tp_mesh.get_local_rank()}, f)
     dist.destroy_process_group()

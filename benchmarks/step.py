@@ -151,16 +151,12 @@ def norm_all_reduce_placement(step, args) -> dict | None:
     """Where dpcompile put the per-sample norm all-reduce of a tensor-parallel step (its compile record):
     the backward ops between its issue and its wait."""
     recs = [r for r in getattr(step, "dp_backend").compiled if r.dp]
-    if not recs or "tensor_parallel" not in recs[0].summary:
+    window = recs[0].norm_all_reduce_window() if recs else None
+    if window is None:
         return None
-    ops = recs[0].ops["backward"]
-    issue = next((i for i, (op, shape) in enumerate(ops) if "all_reduce" in op and shape[:1] == (args.batch,)
-                  and len(shape) <= 2), None)
-    if issue is None:
-        return None
-    wait = next(i for i in range(issue, len(ops)) if "wait_tensor" in ops[i][0] and ops[i][1] == ops[issue][1])
-    between = [op for op, _ in ops[issue + 1:wait]]
-    return {"shape": list(ops[issue][1]), "ops_between": len(between),
+    (_, shape), between = window
+    between = [op for op, _ in between]
+    return {"shape": [str(s) for s in shape], "ops_between": len(between),
             "gemms_between": sum(op.endswith(("aten.mm.default", "aten.bmm.default", "aten.addmm.default"))
                                  for op in between),
             "summary": recs[0].summary["tensor_parallel"]}

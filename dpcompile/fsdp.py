@@ -158,6 +158,9 @@ def fully_shard(
     reshard_after_forward=True frees the gathered parameters after the
     forward and gathers again in the backward (ZeRO-3); False keeps them
     (ZeRO-2). A 2-D mesh shards within dim 1 and replicates across dim 0.
+    On a model parallelized over ``mesh["tp"]`` (torch's parallelize_module),
+    pass ``mesh=mesh["dp"]`` of the same device mesh: the tensor-parallel
+    parameters become 2-D DTensors on (dp, tp) (the module docstring).
     """
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"fully_shard needs a DeviceMesh, got {type(mesh).__name__}")
@@ -165,8 +168,11 @@ def fully_shard(
         raise ValueError(f"fully_shard supports 1-D (FSDP) and 2-D (HSDP) meshes, got {mesh.ndim}-D")
     mp = mp_policy or MixedPrecisionPolicy()
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    # tensor-parallel parameters first: a layout that cannot be taken is refused before anything changes
+    tp_sharded = {id(p): _shard_tensor_parallel(p, mesh, name) for name, p in module.named_parameters()
+                  if isinstance(p, DTensor) and not _made_here(p)}
     converted: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}  # tied parameters stay tied
-    for mod_name, sub in module.named_modules():
+    for sub in module.modules():
         names = tuple(
             n for n, p in sub._parameters.items()
             if p is not None and not _made_here(p)
@@ -177,8 +183,8 @@ def fully_shard(
         for n in names:
             p = sub._parameters[n]
             if id(p) not in converted:
-                if isinstance(p, DTensor):
-                    dt, layout = _shard_tensor_parallel(p, mesh, f"{mod_name + '.' if mod_name else ''}{n}")
+                if id(p) in tp_sharded:
+                    dt, layout = tp_sharded[id(p)]
                 else:
                     dt, layout = distribute_tensor(p.detach(), mesh, placements), None
                 new = nn.Parameter(dt, requires_grad=p.requires_grad)

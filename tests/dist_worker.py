@@ -409,6 +409,13 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["tp_placements_unknown"] = str(e)
     finally:
         dp_backend.gradient_placements = found
+    # fully_shard of a tensor-parallel model over a dp mesh that is not the other dim of the tp mesh's device
+    # mesh (here: a second mesh over the same ranks): refused before anything is sharded
+    try:
+        dpcompile.fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        results["tp_dp_meshes_apart"] = "no error"
+    except ValueError as e:
+        results["tp_dp_meshes_apart"] = str(e)
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

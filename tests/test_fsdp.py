@@ -214,6 +214,9 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         # no record of the gradients' placements: refused by name rather than classified by a guess
         assert "cannot read the placements" in rep["tp_placements_unknown"], rep
         assert "blocks.0.fc.weight" in rep["tp_placements_unknown"], rep
+        # dp and tp meshes of different device meshes: refused by fully_shard, naming the parameter
+        assert "'blocks.0.fc.weight' is tensor parallel" in rep["tp_dp_meshes_apart"], rep
+        assert "mesh['dp'] and mesh['tp']" in rep["tp_dp_meshes_apart"], rep
 
 
 def test_distributed_checkpoint_resume_matches_uninterrupted_run(tmp_path):

@@ -587,6 +587,12 @@ class DPBackend:
                 # (BENCHMARKS.md, "Where the compile time goes")
                 "max_fusion_buffer_group_pairwise_attempts":
                     min(16, torch._inductor.config.max_fusion_buffer_group_pairwise_attempts),
+                # tensor parallel: Inductor's reordering for peak memory runs the consumers of the norm
+                # all-reduce's result right after its issue (they free its [B, 1 + n] buffer), which puts the
+                # wait there and leaves the all-reduce nothing to run under (BENCHMARKS.md, "the norm
+                # all-reduce in the profile"); without it the graph's order, which waits where the clip
+                # coefficients are needed, stands
+                **({"reorder_for_peak_memory": False} if tp is not None else {}),
                 **cudagraphs,
             }, **inner)
         if key is not None:

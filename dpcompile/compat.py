@@ -234,3 +234,11 @@ def hf_expand_position_ids() -> None:
     preprocess_mask_arguments._dpcompile_guarded = True  # type: ignore[attr-defined]
     preprocess_mask_arguments.__wrapped__ = original  # type: ignore[attr-defined]
     module._preprocess_mask_arguments = preprocess_mask_arguments
+
+
+def dtensor_takes_unbacked_batch() -> bool:
+    """torch 2.13's DTensor propagates shardings over an unbacked batch size; 2.11's guards on it (its view
+    rule asks "u0 == 1", its embedding rule "u0 < 2"), which fails dynamo's trace."""
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dpcompile.batching import mark_traced_batch
+from dpcompile.compat import dtensor_takes_unbacked_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +126,13 @@ def _shard_tensor_parallel(p: DTensor, mesh: DeviceMesh, name: str) -> tuple[DTe
             f"on a 1-D tp mesh) with a 1-D dp mesh of the same device mesh (mesh['dp'] of "
             f"init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp'))); HSDP with tensor parallelism is "
             f"not supported")
+    if not dtensor_takes_unbacked_batch():
+        raise ValueError(
+            f"fully_shard: parameter '{name}' is tensor parallel; data x tensor parallel needs torch 2.13 or later "
+            f"(this is {torch.__version__}): a sharded step is compiled with an unbacked batch size (one graph "
+            f"for every per-rank batch, so that every rank issues the same collectives), and this torch's "
+            f"DTensor sharding propagation asks questions of that size it cannot answer (\"is the batch 1?\"). "
+            f"Upgrade torch, or use tensor parallelism alone (every rank the same batch) or fully_shard alone.")
     try:
         root = DeviceMesh._concatenate([mesh, tp_mesh])
     except Exception as e:  # noqa: BLE001 - torch's message says which check failed

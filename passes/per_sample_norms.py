@@ -358,6 +358,19 @@ def _stack_sum(b: GraphBuilder, sqs: list[fx.Node]) -> fx.Node:
 
 
 NORM_ALL_REDUCE_META = "dpcompile_tp_norm_all_reduce"
+_TP_COLLECTIVES = (torch.ops._c10d_functional.all_gather_into_tensor.default,
+                   torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                   torch.ops._c10d_functional.all_reduce.default)
+
+
+def _next_tp_collective(node: fx.Node, group: str) -> fx.Node | None:
+    """The first collective over the tp group after ``node`` in the graph, or None."""
+    n = node.next
+    while n.op != "output":
+        if n.op == "call_function" and n.target in _TP_COLLECTIVES and n.args[-1] == group:
+            return n
+        n = n.next
+    return None
 
 
 def _tp_norm_all_reduce(b: GraphBuilder, graph: fx.Graph, shard_sqs: list[fx.Node], partials: list[fx.Node],
@@ -378,6 +391,10 @@ def _tp_norm_all_reduce(b: GraphBuilder, graph: fx.Graph, shard_sqs: list[fx.Nod
         else:
             cols = ([b.call(aten.unsqueeze.default, shards, 1)] if shards is not None else []) + partials
             packed = cols[0] if len(cols) == 1 else b.call(aten.cat.default, cols, 1)
+    # NCCL runs a group's collectives one after another: issued before the next activation collective of
+    # tensor parallelism, which the rest of the backward waits for, it would delay that one and run while
+    # nothing can; issued right after it, it runs under the compute that collective feeds
+    with graph.inserting_after(_next_tp_collective(packed, ctx.tp_group) or packed):
         issued = b.call(c10d.all_reduce.default, packed, "sum", ctx.tp_group)
     issued.meta["dp_batch"] = Batched(0)  # one row per sample: not a gradient's reduction
     issued.meta[NORM_ALL_REDUCE_META] = True  # found again in the partitioned backward (CompiledStep's window)

@@ -703,6 +703,18 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler, d
     for m, p in pairs:
         parallelize_module(m, tp_mesh, p)
     if dp > 1:
+        from dpcompile.compat import dtensor_takes_unbacked_batch
+
+        if not dtensor_takes_unbacked_batch():  # torch 2.11: refused before anything is sharded
+            try:
+                shard_like_a_user(model, mesh["dp"])
+                refused = "no error"
+            except ValueError as e:
+                refused = str(e)
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                json.dump({"refused": refused}, f)
+            dist.destroy_process_group()
+            return
         shard_like_a_user(model, mesh["dp"])
 
     def step(x, y):

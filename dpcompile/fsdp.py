@@ -12,8 +12,8 @@ On a tensor-parallel model (torch's ``parallelize_module`` over a tp mesh,
 then ``fully_shard`` over the dp mesh of the same device mesh), a
 tensor-parallel parameter becomes a 2-D DTensor on (dp, tp): its tp-local
 tensor sharded on dim 0 over dp (``_StridedShard`` where tp already shards
-dim 0, as FSDP2 lays it out), so ``state_dict`` and DCP see the whole
-parameter. Reading it gathers over dp and hands the module the 1-D tp
+dim 0, as FSDP2 lays it out), so ``state_dict`` and ``full_tensor`` see the
+whole parameter. Reading it gathers over dp and hands the module the 1-D tp
 DTensor the plan made; its gradient is reduce-scattered over dp (and, where
 DTensor made it a Partial sum over tp, all-reduced over tp first: the
 backend takes that all-reduce as the sum of the tp ranks' parts).

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="ne
     ("llama_sp", "bk", "inductor", 1), ("gpt_sp", "ghost", "eager", 1), ("llama_tp", "bk", "eager", 1),
     ("hf_llama", "ghost", "eager", 1),
     # dp x tp = 2 x 2 (fully_shard over dp, batches of 3 and 5), both schedules: the tensor-parallel MLP, and
-    # torchtitan's sequence-parallel plan (the in-graph tp sum of the norms' Partial gradients, the embedding's
-    # whole gradient cut to each rank's slice); llama_tp-ghost-2 passed too, left out for CI time
-    ("gpt", "ghost", "eager", 2), ("llama_sp", "bk", "eager", 2),
+    # torchtitan's plan of a Llama with sequence parallelism (the in-graph tp sum of the norms' Partial
+    # gradients) and without (plain norms); in both the embedding's whole gradient is cut to each rank's slice
+    ("gpt", "ghost", "eager", 2), ("llama_sp", "bk", "eager", 2), ("llama_tp", "ghost", "eager", 2),
 ])
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
         case, schedule, compiler, dp, tmp_path):

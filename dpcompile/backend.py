@@ -50,6 +50,7 @@ class GraphInput:
     sharded: bool = False  # a DTensor parameter (fully_shard)
     foreign_dtensor: str = ""  # a DTensor parameter dpcompile cannot take: its placements and mesh
     tp: str = ""  # tensor parallel (parallelize_module): "shard" or "replicate" (tensor_parallel.tp_placement)
+    shape: tuple = ()  # a parameter's whole shape (a DTensor's global one)
 
 
 @dataclasses.dataclass
@@ -137,7 +138,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
                                   reshard_after_forward=bool(getattr(example, "_dpcompile_reshard_after_forward", False)),
                                   sharded=_is_dtensor(example) and not is_tp_dtensor(example),
                                   foreign_dtensor=_foreign_dtensor(example),
-                                  tp=tp_placement(example) if is_tp_dtensor(example) or tp_layout(example) else ""))
+                                  tp=tp_placement(example) if is_tp_dtensor(example) or tp_layout(example) else "",
+                                  shape=tuple(example.shape)))
         elif "_buffers[" in src:
             out.append(GraphInput(i, "buffer", clean_module_path(src)))
         elif src.startswith("L["):
@@ -319,7 +321,7 @@ class DPPartitioner(CustomPartitionerFn):
                 # ranks' graphs may differ in their symbolic-size inputs), known before the passes run
                 # (tensor-parallel replicas pick their stream by it, NoiseSeeds.index_ranks)
                 kind = grad_kind.get(gi.index, "")
-                params.append(ParamInfo(gi.name, node, j, ordinal[gi.index], tp=kind, tp_grad=kind))
+                params.append(ParamInfo(gi.name, node, j, ordinal[gi.index], tp=kind, tp_grad=kind, shape=gi.shape))
             elif gi.kind == "data":
                 data[node] = (gi.name, gi.batch_dim)
         seeds_pos = len(inputs)

@@ -25,6 +25,7 @@ class ParamInfo:
     # a Partial sum all-reduced over tp, a whole gradient cut to this rank's slice) and sets what it was before
     tp: str = ""
     tp_grad: str = ""  # the same for the gradient the step outputs (DTensor's placement): what its noise is
+    shape: tuple = ()  # the whole parameter's (under sharding: not its placeholder's)
 
 
 @dataclasses.dataclass

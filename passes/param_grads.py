@@ -158,8 +158,8 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     if t is aten.slice_scatter.default and is_zero_constant(node.args[0]):
         terms, _ = decompose(node.args[1], ctx, param, alpha)
         return terms, False
-    if t is operator.getitem and param.tp_grad == "shard":
-        whole = tp_slice_source(node, ctx.tp_rank, ctx.tp_size)
+    if t is operator.getitem:
+        whole = tp_slice_source(node, param, ctx)
         if whole is not None:
             # a gradient whole on every tp rank cut to this rank's slice of a Shard parameter (2-D
             # fully_shard: a RowwiseParallel embedding's): each sample's norm is the whole one's, counted once
@@ -227,15 +227,22 @@ def local_terms(g: fx.Node, param: ParamInfo, ctx: DPPassContext) -> list[tuple[
     return found or []
 
 
-def tp_slice_source(node: fx.Node, tp_rank: int, tp_size: int) -> fx.Node | None:
-    """G when ``node`` is this rank's piece of G cut into one piece per tp rank (DTensor turning a gradient
-    whole on every rank into its Shard parameter's placement: ``getitem(split(G), tp_rank)``), else None."""
-    if tp_size < 2 or node.target is not operator.getitem:
+def tp_slice_source(node: fx.Node, param: ParamInfo, ctx: DPPassContext) -> fx.Node | None:
+    """G when ``node`` is this rank's piece of the parameter's whole gradient G cut into one piece per tp rank
+    (DTensor turning a gradient whole on every rank into its Shard parameter's placement:
+    ``getitem(split(G), tp_rank)``), else None."""
+    if ctx.tp_size < 2 or param.tp_grad != "shard" or node.target is not operator.getitem:
         return None
     split, index = node.args
     if not isinstance(split, fx.Node) or split.target not in (aten.split.Tensor, aten.split_with_sizes.default):
         return None
-    return split.args[0] if index == tp_rank and len(split.meta["val"]) == tp_size else None
+    whole = split.args[0]
+    # the parameter's whole shape, cut into tp pieces, this rank's taken: not a piece of a larger gradient
+    # (parameters concatenated in the forward are split apart in the backward)
+    if index != ctx.tp_rank or len(split.meta["val"]) != ctx.tp_size or \
+            tuple(whole.meta["val"].shape) != tuple(param.shape):
+        return None
+    return whole
 
 
 def _innermost_local(reduction: fx.Node, param: ParamInfo, ctx: DPPassContext) -> fx.Node:
@@ -250,9 +257,9 @@ def _innermost_local(reduction: fx.Node, param: ParamInfo, ctx: DPPassContext) -
             local = node = unglue(node.args[0])
         elif node.target is torch.ops._c10d_functional.wait_tensor.default or node.target in NORM_PRESERVING:
             node = node.args[0]
-        elif param.tp_grad == "shard" and tp_slice_source(node, ctx.tp_rank, ctx.tp_size) is not None:
+        elif tp_slice_source(node, param, ctx) is not None:
             param.tp = "replicate"  # decompose's reading of the same cut
-            local = node = tp_slice_source(node, ctx.tp_rank, ctx.tp_size)
+            local = node = tp_slice_source(node, param, ctx)
         else:
             break
     return local

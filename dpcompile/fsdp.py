@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -58,19 +59,11 @@ def _gather_tp(param: DTensor, layout: _TPLayout, mp: MixedPrecisionPolicy) -> D
     # the 1-D tp DTensor the module computes with; from_local's backward turns a Partial gradient into
     # the plan's placement (an all-reduce over tp in the graph)
     piece = DTensor.from_local(param.to_local(), layout.dp_mesh, [Shard(0)], run_check=False,
-                               shape=layout.tp_local_shape, stride=_contiguous_stride(layout.tp_local_shape))
+                               shape=layout.tp_local_shape, stride=make_contiguous_strides_for(layout.tp_local_shape))
     local = piece.redistribute(layout.dp_mesh, [Replicate()], forward_dtype=mp.param_dtype,
                                backward_dtype=mp.reduce_dtype).to_local(grad_placements=[Partial("sum")])
     return DTensor.from_local(local, layout.tp_mesh, [layout.tp_placement], run_check=False,
                               shape=layout.shape, stride=layout.stride)
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def _gather(param: DTensor, mp: MixedPrecisionPolicy) -> torch.Tensor:

@@ -257,9 +257,9 @@ def _innermost_local(reduction: fx.Node, param: ParamInfo, ctx: DPPassContext) -
             local = node = unglue(node.args[0])
         elif node.target is torch.ops._c10d_functional.wait_tensor.default or node.target in NORM_PRESERVING:
             node = node.args[0]
-        elif tp_slice_source(node, param, ctx) is not None:
+        elif (whole := tp_slice_source(node, param, ctx)) is not None:
             param.tp = "replicate"  # decompose's reading of the same cut
-            local = node = tp_slice_source(node, param, ctx)
+            local = node = whole
         else:
             break
     return local

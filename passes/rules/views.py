@@ -101,27 +101,24 @@ def _slice(an, node):
     if k == s.dim:
         if known(node.meta["val"].shape[k] == shape_of(x)[k]):
             return s
-        blocks = _sliced_blocks(s, node, shape_of(x)[k], an.B)
+        blocks = _sliced_blocks(s, node, an.B)
         if blocks is not None:
             return Batched(k, blocks, s.inner)
         return fail_layout(an, node, "slices along the sample dim")
     return s
 
 
-def _sliced_blocks(s: Batched, node, size, B):
+def _sliced_blocks(s: Batched, node, B):
     """How many whole copies of the batch a slice of a dim laid out as ``s.outer`` copies keeps (a
     tensor-parallel all-gather's pieces taken apart with symbolic sizes: slice [k*B, (k+1)*B)), or None if
     it cuts a copy or steps."""
     args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
     args += [None] * (5 - len(args))
     start, step = args[2] or 0, args[4] or 1  # symbolic sizes are SymInt nodes: their values
-    if s.outer == 1 or not known(step == 1):
+    if s.outer == 1 or not known(step == 1) or not known(start % (B * s.inner) == 0):
         return None
-    length = node.meta["val"].shape[s.dim]
-    block = B * s.inner
-    if not (known(start % block == 0) and known(length % block == 0)) or known(length == 0):
-        return None
-    return length // block
+    blocks = _whole_blocks(s, [node.meta["val"].shape[s.dim]], B)
+    return blocks[0] if blocks is not None else None
 
 
 def _select(an, node):

@@ -33,7 +33,7 @@ from dpcompile.passes.per_sample_norms import NORM_ALL_REDUCE_META
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.step_split import Split, describe_split, split_error_text
-from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes,
+from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes, dp_shard_index,
                                        gradient_placements, is_tp_dtensor, placement_kind, tp_layout, tp_mesh,
                                        tp_placement)
 
@@ -722,7 +722,7 @@ def _noise_rank(inputs: list[GraphInput], example_inputs) -> int:
     for gi, ex in zip(inputs, example_inputs):
         if gi.sharded:
             mesh = tp_layout(ex).dp_mesh if tp_layout(ex) is not None else ex.device_mesh
-            return mesh.get_local_rank(mesh_dim=mesh.ndim - 1)
+            return dp_shard_index(mesh)
     return _rank()
 
 

@@ -50,6 +50,12 @@ def tp_layout(t: Any) -> Any:
     return getattr(t, "_dpcompile_tp_layout", None)
 
 
+def dp_shard_index(mesh: Any) -> int:
+    """Which dp shard this rank holds on a fully_shard mesh: its place on the last (shard) dim; replicas of
+    an HSDP mesh share it, so they draw the same noise."""
+    return mesh.get_local_rank(mesh_dim=mesh.ndim - 1)
+
+
 def is_tp_dtensor(t: Any) -> bool:
     """A DTensor parameter that dpcompile.fully_shard did not make."""
     from torch.distributed.tensor import DTensor
@@ -152,7 +158,7 @@ def tp_mesh(params: list[tuple[str, Any]]) -> TPMesh:
     mesh = meshes[0][1]
     dp = next((lay.dp_mesh for lay in layouts if lay is not None), None)
     return TPMesh(group=mesh.get_group().group_name, rank=mesh.get_local_rank(), size=mesh.size(),
-                  dp_index=dp.get_local_rank() if dp is not None else 0)
+                  dp_index=dp_shard_index(dp) if dp is not None else 0)
 
 
 def allow_dtensor_gradients_in_dynamo() -> None:

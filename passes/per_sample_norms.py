@@ -28,6 +28,7 @@ from dpcompile.fx_utils import GraphBuilder, known
 from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
 from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
+from .tensor_parallel import is_tp_collective
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -358,16 +359,13 @@ def _stack_sum(b: GraphBuilder, sqs: list[fx.Node]) -> fx.Node:
 
 
 NORM_ALL_REDUCE_META = "dpcompile_tp_norm_all_reduce"
-_TP_COLLECTIVES = (torch.ops._c10d_functional.all_gather_into_tensor.default,
-                   torch.ops._c10d_functional.reduce_scatter_tensor.default,
-                   torch.ops._c10d_functional.all_reduce.default)
 
 
 def _next_tp_collective(node: fx.Node, group: str) -> fx.Node | None:
     """The first collective over the tp group after ``node`` in the graph, or None."""
     n = node.next
     while n.op != "output":
-        if n.op == "call_function" and n.target in _TP_COLLECTIVES and n.args[-1] == group:
+        if is_tp_collective(n, group):
             return n
         n = n.next
     return None

@@ -24,19 +24,27 @@ from dpcompile.fx_utils import module_of, op_name
 from .context import DPPassContext
 
 
+_C10D = torch.ops._c10d_functional
+# what a tensor-parallel graph's activation collectives over the tp group are
+TP_COLLECTIVES = (_C10D.all_gather_into_tensor.default, _C10D.reduce_scatter_tensor.default,
+                  _C10D.all_reduce.default)
+
+
+def is_tp_collective(n: fx.Node, group: str) -> bool:
+    """``n`` is a collective over the tensor-parallel process group named ``group``."""
+    return n.op == "call_function" and n.target in TP_COLLECTIVES and n.args[-1] == group
+
+
 def _rank_local(gm: fx.GraphModule, ctx: DPPassContext) -> set[fx.Node]:
     """Nodes whose value differs across the tp group: computed from a shard, not yet made whole."""
     local = set(ctx.tp_local_primals)
-    c10d = torch.ops._c10d_functional
     for n in gm.graph.nodes:
         if n.op != "call_function" or n in local:
             continue
-        if n.target in (c10d.all_reduce.default, c10d.all_gather_into_tensor.default) and \
-                n.args[-1] == ctx.tp_group:
+        if is_tp_collective(n, ctx.tp_group):
+            if n.target is _C10D.reduce_scatter_tensor.default:
+                local.add(n)  # each rank keeps its own piece
             continue  # the group's sum, or everyone's pieces: the same on every rank
-        if n.target is c10d.reduce_scatter_tensor.default and n.args[-1] == ctx.tp_group:
-            local.add(n)  # each rank keeps its own piece
-            continue
         if any(a in local for a in n.all_input_nodes):
             local.add(n)
     return local

@@ -554,66 +554,6 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
     dist.destroy_process_group()
 
 
-def checkpoint(rank, world, init_file, out_dir):
-    """Save with torch.distributed.checkpoint after a step, load into a fresh sharded model, continue."""
-    import json
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    mesh = _init(rank, world, init_file)
-    ids = torch.randint(0, 13, (6, 6), generator=torch.Generator().manual_seed(7))
-    local = ids[3 * rank: 3 * rank + 3]
-
-    def fresh():
-        torch._dynamo.reset()
-        model, loss_fn, _ = make("gpt")
-        shard(model, mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        # op by op: the checkpoint's state is the subject (CI time); the sharded matrix runs Inductor's code
-        backend = dpcompile.DPBackend(max_grad_norm=0.5, noise_multiplier=0.7, expected_batch_size=6, seed=11,
-                                      compiler="eager")
-
-        def step(x, y):
-            loss = loss_fn(model(x), y).mean()
-            loss.backward()
-            return loss.detach()
-
-        return model, opt, backend, torch.compile(step, backend=backend)
-
-    def train(model, opt, step, n):
-        losses = []
-        for _ in range(n):
-            losses.append(float(step(local, local)))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return losses
-
-    # uninterrupted: 3 steps
-    model, opt, backend, step = fresh()
-    straight = train(model, opt, step, 3)
-    final = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    # interrupted: 1 step, save, new objects, load, 2 steps
-    model, opt, backend, step = fresh()
-    first = train(model, opt, step, 1)
-    msd, osd = get_state_dict(model, opt)
-    ckpt = os.path.join(out_dir, "ckpt")
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-    torch.save(backend.state_dict(), os.path.join(out_dir, f"noise_state{rank}.pt"))
-    model, opt, backend, step = fresh()
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    backend.load_state_dict(torch.load(os.path.join(out_dir, f"noise_state{rank}.pt")))
-    resumed = first + train(model, opt, step, 2)
-    worst = max((final[k] - v.full_tensor()).abs().max().item() for k, v in model.state_dict().items())
-    if rank == 0:
-        with open(os.path.join(out_dir, "ckpt.json"), "w") as f:
-            json.dump({"straight": straight, "resumed": resumed, "worst_param_diff": worst}, f)
-    dist.destroy_process_group()
-
-
 def checkpoint_resume(rank, world, init_file, out_dir):
     """tests/test_checkpoint.py: a sharded run resumed from a checkpoint equals the uninterrupted run."""
     import json

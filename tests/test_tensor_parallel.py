@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="ne
     # sequence parallel: each schedule once, Inductor once (CI time)
     ("llama_sp", "bk", "inductor", 1), ("gpt_sp", "ghost", "eager", 1), ("llama_tp", "bk", "eager", 1),
     ("hf_llama", "ghost", "eager", 1),
-    # dp x tp = 2 x 2 (fully_shard over dp, batches of 3 and 5), both schedules: the tensor-parallel MLP, and
-    # torchtitan's plan of a Llama with sequence parallelism (the in-graph tp sum of the norms' Partial
-    # gradients) and without (plain norms); in both the embedding's whole gradient is cut to each rank's slice
-    ("gpt", "ghost", "eager", 2), ("llama_sp", "bk", "eager", 2), ("llama_tp", "ghost", "eager", 2),
+    # dp x tp = 2 x 2 (fully_shard over dp, batches of 3 and 5), both schedules: the tensor-parallel MLP
+    # (plain norms), and torchtitan's plan of a Llama with sequence parallelism (the in-graph tp sum of the
+    # norms' Partial gradients; the embedding's whole gradient cut to each rank's slice). The same Llama
+    # without sequence parallelism at dp 2 (ghost) passed too; left out of CI for its time (147 s of 2 cores)
+    ("gpt", "ghost", "eager", 2), ("llama_sp", "bk", "eager", 2),
 ])
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
         case, schedule, compiler, dp, tmp_path):

@@ -26,13 +26,13 @@ from .context import DPPassContext
 
 _C10D = torch.ops._c10d_functional
 # what a tensor-parallel graph's activation collectives over the tp group are
-TP_COLLECTIVES = (_C10D.all_gather_into_tensor.default, _C10D.reduce_scatter_tensor.default,
+_TP_COLLECTIVES = (_C10D.all_gather_into_tensor.default, _C10D.reduce_scatter_tensor.default,
                   _C10D.all_reduce.default)
 
 
 def is_tp_collective(n: fx.Node, group: str) -> bool:
     """``n`` is a collective over the tensor-parallel process group named ``group``."""
-    return n.op == "call_function" and n.target in TP_COLLECTIVES and n.args[-1] == group
+    return n.op == "call_function" and n.target in _TP_COLLECTIVES and n.args[-1] == group
 
 
 def _rank_local(gm: fx.GraphModule, ctx: DPPassContext) -> set[fx.Node]:
@@ -42,9 +42,11 @@ def _rank_local(gm: fx.GraphModule, ctx: DPPassContext) -> set[fx.Node]:
         if n.op != "call_function" or n in local:
             continue
         if is_tp_collective(n, ctx.tp_group):
+            # a reduce-scatter leaves each rank its own piece; an all-reduce (the group's sum) or an
+            # all-gather (everyone's pieces) is the same on every rank
             if n.target is _C10D.reduce_scatter_tensor.default:
-                local.add(n)  # each rank keeps its own piece
-            continue  # the group's sum, or everyone's pieces: the same on every rank
+                local.add(n)
+            continue
         if any(a in local for a in n.all_input_nodes):
             local.add(n)
     return local

@@ -20,7 +20,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from dpcompile.accumulation import accumulating
 from dpcompile.batching import require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
-from dpcompile.compile_cache import aot_cache_allowed, load_record, partitioner_key, record_key, save_record
+from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
+                                     save_record, stable_mesh_keys)
 from dpcompile.compat import guard_empty_y_grid, hf_expand_position_ids, hint_mix_order_split
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
@@ -71,6 +72,9 @@ class CompiledStep:
     # compile that filled it); "miss": compiled and cached; "": the cache was off (dumps, TORCH_TRACE, eager)
     cache: str = ""
     compile_reason: str = ""  # why dynamo ended this graph where it did (its first line)
+    # tensor parallel: seed index -> noise stream, chosen by the partitioner from the gradients' placements
+    # (NoiseSeeds.index_ranks); kept so that a cache hit, which runs no partitioner, draws the same noise
+    noise_index_ranks: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def norm_all_reduce_window(self) -> tuple[tuple[str, tuple], list[tuple[str, tuple]]] | None:
         """Tensor parallel: the per-sample norm all-reduce as (op, shape) and the backward ops between its
@@ -202,18 +206,23 @@ class DPPartitioner(CustomPartitionerFn):
     """Runs the dp passes on the joint graph, then Inductor's min-cut partitioner."""
 
     def __init__(self, backend: "DPBackend", record: CompiledStep, dumper: GraphDumper, split: "Split | None" = None,
-                 tp: TPMesh | None = None):
+                 tp: TPMesh | None = None, layout: str = ""):
         self.backend = backend
         self.tp = tp
+        self.layout = layout  # compile_cache.rank_layout: a sharded step's rank and meshes, "" otherwise
         self.record = record
         self.dumper = dumper
         self.split = split  # describe_split of the dynamo graph: why it may be only part of the step
         self.called = False  # False after compile_fx: the AOTAutograd cache served the step
+        # a compile the cache must not serve gets a key of its own: turning the cache off in torch's config
+        # is not enough, since TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces it on
+        self.fresh = ""
 
     def uuid(self):
         # Inductor hashes this into its AOTAutograd and FX graph cache keys: dpcompile's source and every
-        # option and setting the passes read (compile_cache), so a hit never carries other DP options
-        return partitioner_key(self.backend.config)
+        # option and setting the passes read (compile_cache), so a hit never carries other DP options; and a
+        # sharded step's rank, so that each rank reads back its own compile
+        return partitioner_key(self.backend.config) + self.layout + self.fresh
 
     def __deepcopy__(self, memo):
         return self  # Inductor copies its config; this object holds live compile state
@@ -374,6 +383,7 @@ class DPPartitioner(CustomPartitionerFn):
                     f"on the tp mesh")
             kinds[gi.index] = kind
         self.backend.noise.index_ranks = {ordinal[i]: self.tp.stream(kind) for i, kind in kinds.items()}
+        self.record.noise_index_ranks = dict(self.backend.noise.index_ranks)
         return kinds
 
 
@@ -524,6 +534,37 @@ class DPBackend:
                 f"fall back to eager execution, which would produce non-private gradients."
             ) from e
 
+    def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
+                    tp: TPMesh | None, aot_cache: bool, inner: dict) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        def not_donated(n: int) -> None:
+            record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
+
+        cudagraphs = {"triton.cudagraphs": self.config.cudagraphs}
+        part.fresh = "" if aot_cache else f"-uncached-{os.urandom(8).hex()}"
+        with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
+            return compile_fx(gm, inputs, config_patches={
+                "custom_partitioner_fn": part,
+                # pad_mm pads and re-slices contractions in the joint graph; the
+                # per-sample norms are cheaper on the unpadded ones
+                "shape_padding": False,
+                # Inductor tries to fuse each node with up to 64 others reading the same buffer; DP graphs
+                # have buffers read by one kernel per parameter (noise seeds, loss tangent, noise gate,
+                # clip coefficients), which made fusion a third of the backward's compile. 16 generated
+                # the same 721 kernels for GPT-2-small bf16 on an H100 with the scheduler's 24.3 s -> 14.8 s
+                # (BENCHMARKS.md, "Where the compile time goes")
+                "max_fusion_buffer_group_pairwise_attempts":
+                    min(16, torch._inductor.config.max_fusion_buffer_group_pairwise_attempts),
+                # tensor parallel: Inductor's reordering for peak memory runs the consumers of the norm
+                # all-reduce's result right after its issue (they free its [B, 1 + n] buffer), which puts the
+                # wait there and leaves the all-reduce nothing to run under (BENCHMARKS.md, "the norm
+                # all-reduce in the profile"); without it the graph's order, which waits where the clip
+                # coefficients are needed, stands
+                **({"reorder_for_peak_memory": False} if tp is not None else {}),
+                **cudagraphs,
+            }, **inner)
+
     def _compile(self, gm: fx.GraphModule, example_inputs) -> Callable:
         from torch._guards import CompileContext
         from torch._inductor.compile_fx import compile_fx
@@ -565,44 +606,27 @@ class DPBackend:
         gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
-        part = DPPartitioner(self, record, dumper, split, tp)
+        distributed = any(gi.sharded or gi.tp for gi in inputs)
+        if distributed:
+            stable_mesh_keys()
+        part = DPPartitioner(self, record, dumper, split, tp, rank_layout(example_inputs) if distributed else "")
         aot_cache = torch._functorch.config.enable_autograd_cache and aot_cache_allowed(
-            self.config, dumps_wanted=dumper.folder is not None,
-            distributed=any(gi.sharded or gi.tp for gi in inputs))
+            self.config, dumps_wanted=dumper.folder is not None)
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
-        aot_cache = key is not None
-
-        def not_donated(n: int) -> None:
-            record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
-
-        with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
-            compiled = compile_fx(gm, [*example_inputs, *extra], config_patches={
-                "custom_partitioner_fn": part,
-                # pad_mm pads and re-slices contractions in the joint graph; the
-                # per-sample norms are cheaper on the unpadded ones
-                "shape_padding": False,
-                # Inductor tries to fuse each node with up to 64 others reading the same buffer; DP graphs
-                # have buffers read by one kernel per parameter (noise seeds, loss tangent, noise gate,
-                # clip coefficients), which made fusion a third of the backward's compile. 16 generated
-                # the same 721 kernels for GPT-2-small bf16 on an H100 with the scheduler's 24.3 s -> 14.8 s
-                # (BENCHMARKS.md, "Where the compile time goes")
-                "max_fusion_buffer_group_pairwise_attempts":
-                    min(16, torch._inductor.config.max_fusion_buffer_group_pairwise_attempts),
-                # tensor parallel: Inductor's reordering for peak memory runs the consumers of the norm
-                # all-reduce's result right after its issue (they free its [B, 1 + n] buffer), which puts the
-                # wait there and leaves the all-reduce nothing to run under (BENCHMARKS.md, "the norm
-                # all-reduce in the profile"); without it the graph's order, which waits where the clip
-                # coefficients are needed, stands
-                **({"reorder_for_peak_memory": False} if tp is not None else {}),
-                **cudagraphs,
-            }, **inner)
+        compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner)
         if key is not None:
             record.cache = "miss" if part.called else "hit"
+            found = part.called or load_record(key, record)
+            if not found and tp is not None:
+                # a hit whose record is gone (its process died before writing it): a tensor-parallel step's
+                # noise streams are in the record, so it compiles again, without the cache, and writes it
+                compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, False, inner)
+                record.cache = "miss"
             if part.called:  # for a later process that this compile's cache entry serves
                 save_record(key, record)
             else:
-                found = load_record(key, record)
+                self.noise.index_ranks = dict(record.noise_index_ranks)
                 record.summary = {**record.summary, "compile_id": compile_id, "cache": (
                     "AOTAutograd cache hit: no pass ran; graphs, counters and summary are those of the compile "
                     "that filled the cache" if found else
@@ -611,8 +635,16 @@ class DPBackend:
         own_grads = GradsOutOfGraphMemory([gi.index for gi in inputs if gi.kind == "param"], counter) \
             if self.config.cudagraphs else None
 
+        # a miss's record is saved once more at the next step: the backward compiles lazily, at the first
+        # backward, and its memory planning adds to the counters (buffer_reuses_refused)
+        resave = [key] if key is not None and record.cache == "miss" else []
+        steps = [0]
+
         def dp_step(*args):
             self.calls += 1
+            steps[0] += 1
+            if resave and steps[0] == 2:
+                save_record(resave.pop(), record)
             if own_grads is not None:
                 own_grads(args)
             if accumulating():  # no noise, and the noise stream stays where it is

@@ -75,12 +75,54 @@ def partitioner_key(config) -> str:
     return f"dpcompile.DPPartitioner-{source_hash()}-{digest}"
 
 
-def aot_cache_allowed(config, dumps_wanted: bool, distributed: bool) -> bool:
+def aot_cache_allowed(config, dumps_wanted: bool) -> bool:
     """A hit runs no pass: no graph dumps or TORCH_TRACE artifacts; those compiles skip the cache. The eager
-    compiler's graphs are not Inductor's, which the cache stores. Sharded and tensor-parallel steps skip it
-    for now: their ranks share one cache folder, so one rank's entry (DTensor gradient layouts, collectives)
-    would serve the others, and no multi-rank restart test shows yet that this is right."""
-    return config.compiler == "inductor" and not dumps_wanted and not distributed and not _tracing()
+    compiler's graphs are not Inductor's, which the cache stores."""
+    return config.compiler == "inductor" and not dumps_wanted and not _tracing()
+
+
+def rank_layout(example_inputs) -> str:
+    """A sharded or tensor-parallel step: this rank, the world, and every mesh and placement of its DTensor
+    inputs, for the cache key. The ranks of a job share one cache folder, and their graphs can be the same
+    text while meaning different things (a tp rank's slice of a gradient is ``getitem(split(g), rank)`` in
+    AOTAutograd's graph, which the key never sees; the noise streams the record keeps are per rank); so each
+    rank has entries of its own, and a job restarted on another layout compiles anew."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    meshes = sorted({f"{x.device_mesh.mesh.tolist()}{x.device_mesh.mesh_dim_names}{tuple(x.placements)}"
+                     for x in example_inputs if isinstance(x, DTensor)})
+    digest = hashlib.sha256(repr(meshes).encode()).hexdigest()[:16]
+    return f"-rank{dist.get_rank()}of{dist.get_world_size()}-{digest}"
+
+
+def stable_mesh_keys() -> None:
+    """Cache keys that hold a DeviceMesh (torch 2.13 passes a sharded step's meshes to the graph as opaque
+    inputs) the same in every process. torch's cache pickler pickles a mesh with its ``__hash__`` cached in it,
+    a hash of strings that differs per process, so a restarted job missed every such entry; a mesh is keyed by
+    what it is instead: its ranks and shape, device type, dim names, process groups and this rank's place."""
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    if getattr(FxGraphCachePickler.__init__, "_dpcompile_stable_meshes", False):
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def reduce_mesh(mesh):
+        what = (mesh.mesh.flatten().tolist(), tuple(mesh.mesh.shape), mesh.device_type, mesh.mesh_dim_names,
+                tuple(getattr(mesh, "_dim_group_names", ())), mesh.get_coordinate())
+        return str, (f"DeviceMesh{what!r}",)
+
+    original = FxGraphCachePickler.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.dispatch_table.setdefault(DeviceMesh, reduce_mesh)
+
+    __init__._dpcompile_stable_meshes = True  # type: ignore[attr-defined]
+    FxGraphCachePickler.__init__ = __init__
 
 
 def _tracing() -> bool:
@@ -138,7 +180,7 @@ def _records_dir() -> pathlib.Path:
     return pathlib.Path(cache_dir()) / "dpcompile_records"
 
 
-RECORDED = ("graphs", "ops", "counters", "summary")
+RECORDED = ("graphs", "ops", "counters", "summary", "noise_index_ranks")
 
 
 def _plain(v: Any) -> Any:

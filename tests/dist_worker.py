@@ -694,3 +694,43 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler, d
                    "kinds": kinds, "noise": noise, "std": sigma * C / ebs, "batch": len(mine), "dp_rank": dp_rank,
                    "tp_rank": tp_mesh.get_local_rank()}, f)
     dist.destroy_process_group()
+
+
+def restart(rank, world, init_file, out_dir, layout, schedule, run):
+    """Two noisy steps (a fixed noise seed) of a GPT sharded with dpcompile.fully_shard (batches of 3 and 5) or
+    parallelized over a 1-D tp mesh (the same batch on both ranks), through Inductor with the caches on, in a
+    fresh process: how each compile was served and the gradients (run = the file name's tag)."""
+    import json
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = _init(rank, world, init_file)
+    model, loss_fn, vocab = make("gpt")
+    ids = torch.randint(0, vocab, (8, 6), generator=torch.Generator().manual_seed(1))
+    if layout == "fsdp":
+        mine = ids[:3] if rank == 0 else ids[3:]
+        shard(model, mesh)
+    else:
+        mine = ids[:4]
+        modules, plan = _tp_plan("gpt")
+        for m in modules(model):
+            parallelize_module(m, mesh, plan)
+
+    def step(x, y):
+        loss = loss_fn(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    backend = dpcompile.DPBackend(max_grad_norm=0.05, noise_multiplier=1.0, expected_batch_size=8, seed=7,
+                                  schedule=schedule)
+    compiled = torch.compile(step, backend=backend)
+    for _ in range(2):  # the second step saves the record again: the lazily compiled backward counts into it
+        compiled(mine, mine)
+    local = lambda g: g.to_local() if isinstance(g, DTensor) else g  # noqa: E731
+    rec = [r for r in backend.compiled if r.dp]
+    with open(os.path.join(out_dir, f"{run}{rank}.json"), "w") as f:
+        json.dump({"cache": [r.cache for r in rec], "counters": [r.counters for r in rec],
+                   "streams": [r.noise_index_ranks for r in rec],
+                   "grads": {n: local(p.grad).flatten().tolist() for n, p in model.named_parameters()}}, f)
+    dist.destroy_process_group()

@@ -22,7 +22,8 @@ from dpcompile.batching import require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
-from dpcompile.compat import guard_empty_y_grid, hf_expand_position_ids, hint_mix_order_split
+from dpcompile.compat import (cache_serves_sharded_steps, guard_empty_y_grid, hf_expand_position_ids,
+                              hint_mix_order_split)
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
@@ -214,9 +215,7 @@ class DPPartitioner(CustomPartitionerFn):
         self.dumper = dumper
         self.split = split  # describe_split of the dynamo graph: why it may be only part of the step
         self.called = False  # False after compile_fx: the AOTAutograd cache served the step
-        # a compile the cache must not serve gets a key of its own: turning the cache off in torch's config
-        # is not enough, since TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces it on
-        self.fresh = ""
+        self.fresh = ""  # a key of its own for a compile the AOTAutograd cache must not serve (_compile_fx)
 
     def uuid(self):
         # Inductor hashes this into its AOTAutograd and FX graph cache keys: dpcompile's source and every
@@ -542,8 +541,12 @@ class DPBackend:
             record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
 
         cudagraphs = {"triton.cudagraphs": self.config.cudagraphs}
-        part.fresh = "" if aot_cache else f"-uncached-{os.urandom(8).hex()}"
         with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
+            # TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces the cache on whatever the patch says:
+            # then a compile it must not serve gets a key no entry has (Inductor's FX graph cache, keyed by
+            # it too, then misses as well; without the variable it still serves the generated code)
+            forced = not aot_cache and torch._functorch.config.enable_autograd_cache
+            part.fresh = f"-uncached-{os.urandom(8).hex()}" if forced else ""
             return compile_fx(gm, inputs, config_patches={
                 "custom_partitioner_fn": part,
                 # pad_mm pads and re-slices contractions in the joint graph; the
@@ -607,11 +610,11 @@ class DPBackend:
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         distributed = any(gi.sharded or gi.tp for gi in inputs)
-        if distributed:
-            stable_mesh_keys()
         part = DPPartitioner(self, record, dumper, split, tp, rank_layout(example_inputs) if distributed else "")
         aot_cache = torch._functorch.config.enable_autograd_cache and aot_cache_allowed(
-            self.config, dumps_wanted=dumper.folder is not None)
+            self.config, dumps_wanted=dumper.folder is not None) and (not distributed or cache_serves_sharded_steps())
+        if aot_cache and distributed:
+            stable_mesh_keys()
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
         compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner)

@@ -8,6 +8,7 @@ import models as M
 from helpers import compile_step
 
 from dpcompile import compile_cache
+from dpcompile.compat import cache_serves_sharded_steps
 from dpcompile.config import DPConfig
 from dpcompile.passes import noise as noise_pass
 
@@ -132,6 +133,11 @@ def test_a_restart_of_a_sharded_or_tensor_parallel_step_hits_the_cache_on_every_
     for run in ("first", "again"):
         spawn(dist_worker.restart, str(tmp_path), layout, schedule, run)
     first, again = _read(tmp_path, prefix="first"), _read(tmp_path, prefix="again")
+    if not cache_serves_sharded_steps():  # torch 2.11: such steps skip the cache; a restart compiles anew
+        for rank in (0, 1):
+            assert first[rank]["cache"] == again[rank]["cache"] == [""], (first, again)
+            assert again[rank]["grads"] == first[rank]["grads"], rank
+        return
     for rank in (0, 1):
         assert first[rank]["cache"] == ["miss"] and again[rank]["cache"] == ["hit"], (rank, first, again)
         assert again[rank]["counters"] == first[rank]["counters"]

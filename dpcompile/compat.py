@@ -247,9 +247,10 @@ def dtensor_takes_unbacked_batch() -> bool:
 def cache_serves_sharded_steps() -> bool:
     """Whether warm restarts of sharded and tensor-parallel steps go through the AOTAutograd cache: on torch
     2.13 a restarted 2-rank job hits its entries and reproduces the first run bit for bit
-    (tests/test_compile_cache.py). On torch 2.11 the same test's restart missed every entry on both ranks (a
-    GPU run; the cause is not known, no torch 2.11 to look with here), so those steps skip the cache there,
-    as they did before."""
+    (tests/test_compile_cache.py). torch 2.11's cache bypasses every graph that redistributes a DTensor
+    ("Unsupported call_function target ...method_redistribute.<locals>.redistribute_fn_with_prim_types", seen
+    with TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache on two H200s), so it never saves an entry
+    for such a step; there those steps skip the cache, as they did before."""
     import torch
 
     return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)

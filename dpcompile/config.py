@@ -37,6 +37,10 @@ class DPConfig:
     memory_budget: bytes of deferred output gradients "auto" may keep.
     linear_norm: per-sample norm algorithm for contractions with several
         rows per sample: "auto" picks ghost or direct per layer by cost.
+    conv_norm: per-sample norm algorithm for convolution weights: "ghost"
+        (Gram matrices over a sample's positions, ~S^2 (channels) per
+        sample), "direct" (the per-sample gradient, ~S |weight|) or "auto"
+        (the cheaper one per layer; the dump summary says which and why).
     compiler: "inductor" (generated kernels) or "eager": the same forward and
         backward graphs (Inductor's decompositions and joint-graph passes,
         dpcompile's passes, the partitioner) run op by op, without Inductor's
@@ -65,6 +69,7 @@ class DPConfig:
     norm_eps: float = 1e-6
     memory_budget: int = 1 << 30
     linear_norm: str = "auto"
+    conv_norm: str = "auto"
     compiler: str = "inductor"
     cudagraphs: bool = False
 
@@ -87,6 +92,8 @@ class DPConfig:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.linear_norm not in LINEAR_NORM_ALGORITHMS:
             bad(f"linear_norm must be one of {LINEAR_NORM_ALGORITHMS}, got {self.linear_norm!r}")
+        if self.conv_norm not in LINEAR_NORM_ALGORITHMS:
+            bad(f"conv_norm must be one of {LINEAR_NORM_ALGORITHMS}, got {self.conv_norm!r}")
         if self.compiler not in COMPILERS:
             bad(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if not isinstance(self.cudagraphs, bool):

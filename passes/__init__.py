@@ -18,6 +18,7 @@ from .cleanup import cleanup_pass
 from .clip_schedule import clip_schedule_pass
 from .collective_order import collective_order_pass
 from .comm_overlap import comm_overlap_pass
+from .conv_backward_split import conv_backward_split_pass
 from .context import DPPassContext, ParamInfo
 from .empty_batch import empty_batch_pass
 from .fsdp_reshard import fsdp_reshard_pass
@@ -37,6 +38,7 @@ class Pass:
 
 
 PASSES: tuple[Pass, ...] = (
+    Pass("conv_backward_split", conv_backward_split_pass),
     Pass("batch_dim_analysis", batch_dim_analysis_pass),
     Pass("empty_batch", empty_batch_pass),
     Pass("loss_reduction", loss_reduction_pass),

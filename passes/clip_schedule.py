@@ -73,6 +73,8 @@ def _operand_positions(c: Contribution) -> dict[int, Batched]:
         return {0: c.layouts["values"]}
     if c.kind == "sum":
         return {0: c.layouts[0]}
+    if c.kind == "conv":  # output gradient and input
+        return {0: c.layouts[0], 1: c.layouts[1]}
     raise AssertionError(c.kind)
 
 
@@ -83,7 +85,7 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
     node = c.node
     args = list(fx.node.map_arg(tuple(node.args), arg_of))
     positions = _operand_positions(c)
-    scaled = c.scaled_operand if c.kind == "mm" else next(iter(positions))
+    scaled = c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
     for i, lay in positions.items():
         if i == scaled and r is not None:
             args[i] = row_scale(b, args[i], lay, r, B, keep)
@@ -96,7 +98,8 @@ def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
     """Bytes the deferred operand holds at the expected batch size (never from this rank's sampled B: every
     rank must take the same decisions, and so issue the same collectives in the same order). A size
     symbolic beyond the batch never fits a budget."""
-    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "sum", "embedding_backward") else c.extra["values"]
+    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "sum", "embedding_backward", "conv") else \
+        c.extra["values"]
     nbytes = bytes_at_expected_batch(op, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
     return 1 << 62 if nbytes is None else nbytes
 

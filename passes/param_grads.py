@@ -100,6 +100,9 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     contribs = ctx.contributions
     if node in contribs:
         return [(contribs[node], alpha)], True
+    if node.target is operator.getitem and node.args[0] in contribs:
+        # a contribution computed by a tuple-valued op: convolution_backward's weight gradient
+        return [(contribs[node.args[0]], alpha)], True
     st = ctx.states.get(node, FREE)
 
     def refuse(why: str) -> DPCompileError:

@@ -17,6 +17,7 @@ Then c_i = min(1, C / (||g_i|| + eps)) and the row scale r_i = c_i * M * k
 from __future__ import annotations
 
 import math
+import operator
 
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import GraphBuilder, known
 
+from . import conv_norms
 from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
 from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
@@ -64,6 +66,13 @@ def _spans(n: int, k: int) -> list[tuple[int, int]]:
     if k == 1:
         return [(0, n)]
     return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def _add_all(b: GraphBuilder, parts: list[fx.Node]) -> fx.Node:
+    total = parts[0]
+    for part in parts[1:]:
+        total = b.call(aten.add.Tensor, total, part)
+    return total
 
 
 def _transpose12(b, x):
@@ -167,14 +176,57 @@ class NormBuilder:
         if k > 1:
             why += f"; in {k} blocks of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
             self.ctx.counters["norm_blocks"] += k
-        sq = parts[0]
-        for part in parts[1:]:
-            sq = b.call(aten.add.Tensor, sq, part)
-        return sq, algo, why
+        return _add_all(b, parts), algo, why
 
     def mm_materialize(self, c: Contribution) -> fx.Node:
         A, G = self.mm_factors(c)
         return bmm_f32(self.b, _transpose12(self.b, A), G)  # [B, p, m]
+
+    # -- conv: a convolution's weight gradient (passes.conv_norms) --------------
+    def conv_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
+        b = self.b
+        geo = conv_norms.geometry(c)
+        algo, why = conv_norms.choose(geo, self.ctx.config.conv_norm)
+        if algo == "ghost":
+            sq = self._conv_ghost_sq(geo)
+            if sq is not None:
+                return sq, algo, why
+            algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
+        # the [B, *weight] per-sample gradients, in blocks of whole groups (or weight rows) when large
+        units = geo.groups if geo.groups > 1 else geo.weight_shape[0]
+        k = self._blocks(math.prod(geo.weight_shape) * 4, units)
+        spans = [(None, None)] if k == 1 else _spans(units, k)
+        parts = [b.sq_sum_per_sample(conv_norms.per_sample_weight_grads(b, geo, self.B, lo, hi)) for lo, hi in spans]
+        if k > 1:
+            why += f"; in {k} blocks of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
+            self.ctx.counters["norm_blocks"] += k
+        return _add_all(b, parts), algo, why
+
+    def _conv_ghost_sq(self, geo: conv_norms.ConvGeometry) -> fx.Node | None:
+        """sum over groups of <E E^T, D D^T> per sample; None when unfold(D)'s positions are not E's."""
+        b, B, g = self.b, self.B, geo.groups
+        D = conv_norms.unfold(b, geo.d, geo.kernel, geo.stride, geo.padding, geo.dilation)
+        if list(D.meta["val"].shape[2:]) != list(geo.e.meta["val"].shape[2:]):
+            return None
+        A = sample_major(b, D, geo.lay, [1], B)  # [B, S, Cd * K]
+        G = sample_major(b, geo.e, geo.lay, [1], B)  # [B, S, Ce]
+        if g > 1:  # [B * g, S, channels per group]: one Gram pair per group
+            A, G = (b.reshape(b.permute(b.view(t, [B, t.meta["val"].shape[1], g, -1]), [0, 2, 1, 3]),
+                              [B * g, t.meta["val"].shape[1], -1]) for t in (A, G))
+        S = A.meta["val"].shape[1]
+        k = self._blocks(2 * S * S * 4 * g, S)
+        parts = []
+        for lo, hi in _spans(S, k):
+            Ab = A if k == 1 else b.call(aten.slice.Tensor, A, 1, lo, hi)
+            Gb = G if k == 1 else b.call(aten.slice.Tensor, G, 1, lo, hi)
+            prod = b.call(aten.mul.Tensor, bmm_f32(b, Ab, _transpose12(b, A)), bmm_f32(b, Gb, _transpose12(b, G)))
+            parts.append(b.sum_per_sample(b.view(prod, [B, -1]) if g > 1 else prod))
+        if k > 1:
+            self.ctx.counters["norm_blocks"] += k
+        return _add_all(b, parts)
+
+    def conv_materialize(self, c: Contribution) -> fx.Node:
+        return conv_norms.per_sample_weight_grads(self.b, conv_norms.geometry(c), self.B)
 
     # -- sum over the sample dim ----------------------------------------------
     def sum_materialize(self, c: Contribution) -> fx.Node:
@@ -247,6 +299,8 @@ class NormBuilder:
             return self.b.sq_sum_per_sample(self.sum_materialize(c)), "materialize", "reduction: per-sample sum"
         if c.kind in ("index_put", "embedding_backward"):
             return self.emb_sq(c), "embedding_ghost", "token equality: sum_{s,t}[id_s = id_t]<g_s, g_t>"
+        if c.kind == "conv":
+            return self.conv_sq(c)
         raise AssertionError(c.kind)
 
     def materialize(self, c: Contribution) -> fx.Node:
@@ -254,6 +308,8 @@ class NormBuilder:
             return self.mm_materialize(c)
         if c.kind == "sum":
             return self.sum_materialize(c)
+        if c.kind == "conv":
+            return self.conv_materialize(c)
         return self.emb_materialize(c)
 
 
@@ -265,6 +321,8 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
     t = node.target
     if node in cmap:
         r = nb.materialize(cmap[node])
+    elif t is operator.getitem and node.args[0] in cmap:  # a tuple-valued contribution (conv's weight gradient)
+        r = nb.materialize(cmap[node.args[0]])
     elif t in NORM_PRESERVING:
         x = _replay(b, nb, node.args[0], pg, memo)
         if t in (aten.permute.default,):

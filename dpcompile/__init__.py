@@ -59,6 +59,9 @@ __all__ = [
 _MODES = {"default": {}, "reduce-overhead": {"cudagraphs": True}}
 
 
+_RECOMPILE_LIMIT = 64
+
+
 def private_step(fn: Callable | None = None, *, mode: str | None = None, **options: Any):
     """Decorator: ``@private_step(max_grad_norm=..., noise_multiplier=..., ...)``.
 
@@ -85,8 +88,12 @@ def private_step(fn: Callable | None = None, *, mode: str | None = None, **optio
         @functools.wraps(f)
         def step(*args, **kwargs):
             before = backend.calls
-            # past dynamo's recompile limit the step would run eagerly: no DP
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            # past dynamo's recompile limit the step would run eagerly: no DP. The limit also counts the
+            # frames dynamo compiles inside the step's eager backward: a sharded step's backward calls
+            # DTensor.__tensor_unflatten__ once per gradient rank (1-D biases ... 5-D Conv3d weights), one
+            # recompile each, which passed 8 on a model with every layer kind; those are not DP steps
+            limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
                 out = compiled(*args, **kwargs)
             if torch.is_grad_enabled() and backend.calls == before:
                 raise DPCompileError(

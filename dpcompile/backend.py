@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcompile.accumulation import accumulating
-from dpcompile.batching import require_unbacked_batch
+from dpcompile.batching import is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
@@ -549,6 +549,11 @@ class DPBackend:
             part.fresh = f"-uncached-{os.urandom(8).hex()}" if forced else ""
             return compile_fx(gm, inputs, config_patches={
                 "custom_partitioner_fn": part,
+                # Inductor's channels-last layout optimisation of convolutions assumes output strides that
+                # the convolution does not give when the batch size is unbacked (one graph for every batch
+                # size: sharded steps, mark_batch): its stride asserts fail at run time, with stock
+                # torch.compile too (torch 2.13, CPU). Static batch sizes keep it
+                "layout_optimization": torch._inductor.config.layout_optimization and not _unbacked_batch(gm),
                 # pad_mm pads and re-slices contractions in the joint graph; the
                 # per-sample norms are cheaper on the unpadded ones
                 "shape_padding": False,
@@ -711,6 +716,15 @@ def seeded_random(size, seed: torch.Tensor, mode: str, **kwargs) -> torch.Tensor
 
 _DROPPED_INPUT_NAME = "dpcompile_dropped_samples"
 _NOISE_GATE_INPUT_NAME = "dpcompile_noise_gate"  # 1.0: add the noise; 0.0: inside dpcompile.accumulate()
+
+
+def _unbacked_batch(gm: fx.GraphModule) -> bool:
+    """Whether dynamo traced the step with an unbacked size (its example inputs are real tensors)."""
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        v = ph.meta.get("example_value", ph.meta.get("val"))
+        if is_unbacked(v) or isinstance(v, torch.Tensor) and any(is_unbacked(n) for n in v.shape):
+            return True
+    return False
 
 
 def _with_extra_inputs(gm: fx.GraphModule, extra: list[tuple[str, torch.Tensor]]) -> fx.GraphModule:

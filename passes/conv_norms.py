@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import GraphBuilder, known
 
 from .batch_state import Batched, Contribution
@@ -110,8 +111,7 @@ def per_sample_weight_grads(b: GraphBuilder, geo: ConvGeometry, B: Any, lo: int 
     """Per-sample weight gradients [B, hi - lo (or its groups' channels), *weight[1:]] in fp32, for weight rows
     lo:hi (whole groups when groups > 1: lo, hi count groups)."""
     g = geo.groups
-    e_ch = geo.weight_shape[0]
-    d_ch = geo.d.meta["val"].shape[1]
+    e_ch, d_ch = geo.weight_shape[0], geo.d.meta["val"].shape[1]
     e, d = b.f32(geo.e), b.f32(geo.d)
     if hi is not None:
         if g > 1:  # whole groups of both operands
@@ -120,6 +120,15 @@ def per_sample_weight_grads(b: GraphBuilder, geo: ConvGeometry, B: Any, lo: int 
         else:
             e = b.call(aten.slice.Tensor, e, 1, lo, hi)
     groups = (hi - lo if hi is not None else g) if g > 1 else 1
+    if isinstance(B, int):
+        return _grads_by_grouped_convolution(b, geo, e, d, groups, B)
+    # an unbacked batch size (one graph for every batch size): Inductor lowers a convolution only with a static
+    # number of groups, and a rank's batch may be empty (0 groups); the unfolded contraction takes any B
+    return _grads_by_unfolded_contraction(b, geo, e, d, groups, B)
+
+
+def _grads_by_grouped_convolution(b, geo, e, d, groups, B):
+    """convolution_backward with each sample's channels a group of their own: the library's kernel, no unfold."""
     rows = e.meta["val"].shape[1]
     ef, df = fold_samples_into_channels(b, e, geo.lay, B), fold_samples_into_channels(b, d, geo.lay, B)
     w = b.call(aten.empty.memory_format, [B * rows] + list(geo.weight_shape[1:]), dtype=torch.float32,
@@ -129,6 +138,27 @@ def per_sample_weight_grads(b: GraphBuilder, geo: ConvGeometry, B: Any, lo: int 
                                          geo.padding, geo.dilation, geo.transposed, geo.output_padding,
                                          groups * B, [False, True, False]), 1)
     return b.view(dw, [B, rows] + list(geo.weight_shape[1:]))
+
+
+def _grads_by_unfolded_contraction(b, geo, e, d, groups, B):
+    """E^T unfold(D) per sample and group: [B * groups, Ce/groups, S] @ [B * groups, S, Cd*K/groups]."""
+    from .per_sample_norms import sample_major  # noqa: PLC0415  (per_sample_norms imports this module)
+
+    D = unfold(b, d, geo.kernel, geo.stride, geo.padding, geo.dilation)
+    if list(D.meta["val"].shape[2:]) != list(e.meta["val"].shape[2:]):
+        raise DPCompileError(
+            f"dp_fsdp: the per-sample norm of the transposed convolution with weight {geo.weight_shape}, "
+            f"output_padding {geo.output_padding}, stride {geo.stride} has no form for a batch size unknown at "
+            f"compile time (its unfolded positions differ from the input's); compile the step with a static "
+            f"batch size, or use an output_padding below the stride")
+    A = sample_major(b, D, geo.lay, [1], B)  # [B, S, Cd * K]
+    G = sample_major(b, e, geo.lay, [1], B)  # [B, S, Ce]
+    S, ca, cg = A.meta["val"].shape[1], A.meta["val"].shape[2] // groups, G.meta["val"].shape[2] // groups
+    if groups > 1:
+        A, G = (b.reshape(b.permute(b.view(t, [B, S, groups, c]), [0, 2, 1, 3]), [B * groups, S, c])
+                for t, c in ((A, ca), (G, cg)))
+    dw = b.call(aten.bmm.default, b.permute(G, [0, 2, 1]), A)  # [B * groups, Ce/groups, Cd*K/groups]
+    return b.reshape(dw, [B, groups * cg] + list(geo.weight_shape[1:]))
 
 
 def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: list, dilation: list) -> fx.Node:

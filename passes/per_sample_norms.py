@@ -210,17 +210,17 @@ class NormBuilder:
             return None
         A = sample_major(b, D, geo.lay, [1], B)  # [B, S, Cd * K]
         G = sample_major(b, geo.e, geo.lay, [1], B)  # [B, S, Ce]
-        if g > 1:  # [B * g, S, channels per group]: one Gram pair per group
-            A, G = (b.reshape(b.permute(b.view(t, [B, t.meta["val"].shape[1], g, -1]), [0, 2, 1, 3]),
-                              [B * g, t.meta["val"].shape[1], -1]) for t in (A, G))
         S = A.meta["val"].shape[1]
+        if g > 1:  # [B * g, S, channels per group]: one Gram pair per group (no -1: B may be 0)
+            A, G = (b.reshape(b.permute(b.view(t, [B, S, g, t.meta["val"].shape[2] // g]), [0, 2, 1, 3]),
+                              [B * g, S, t.meta["val"].shape[2] // g]) for t in (A, G))
         k = self._blocks(2 * S * S * 4 * g, S)
         parts = []
         for lo, hi in _spans(S, k):
             Ab = A if k == 1 else b.call(aten.slice.Tensor, A, 1, lo, hi)
             Gb = G if k == 1 else b.call(aten.slice.Tensor, G, 1, lo, hi)
             prod = b.call(aten.mul.Tensor, bmm_f32(b, Ab, _transpose12(b, A)), bmm_f32(b, Gb, _transpose12(b, G)))
-            parts.append(b.sum_per_sample(b.view(prod, [B, -1]) if g > 1 else prod))
+            parts.append(b.sum_per_sample(b.view(prod, [B, g * prod.meta["val"].shape[1] * S]) if g > 1 else prod))
         if k > 1:
             self.ctx.counters["norm_blocks"] += k
         return _add_all(b, parts)

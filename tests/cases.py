@@ -86,6 +86,9 @@ SMALL_LAYER_CASES = {
                               lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
     "attention_padding_mask": Case(lambda: M.PaddedAttention(),
                                    lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
+    # every convolution form, GroupNorm, InstanceNorm, LayerNorm over channels (tests/test_convolution.py
+    # has each form alone, with both per-sample norm forms)
+    "conv_kinds": Case(lambda: M.ConvNet(), lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randn(B, 3),)), M.mse),
 }
 LAYER_CASES = {
     **SMALL_LAYER_CASES,

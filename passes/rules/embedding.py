@@ -97,6 +97,42 @@ def _masked_fill(an, node, base, indices, values):
     return sb
 
 
+def _index_put_off_sample_dim(an, node, base, indices, values, mask):
+    """base.index_put(indices, values) with sample-free indices on dims other than the sample dim (the
+    backward of x[:, :, i, j]: interpolation, F.unfold, Tensor.unfold): every sample's values land in its
+    own slice of base, so the result keeps the layout, accumulating or not. None when the op is not of that
+    form (an index on the sample dim: the embedding backward's sum over samples)."""
+    tens = [(p, i) for p, i in enumerate(indices) if i is not None]
+    if not tens or any(an.st(i) is not FREE for _, i in tens) or (mask is not None and an.st(mask) is not FREE):
+        return None
+    positions = [p for p, _ in tens]
+    R = max(ndim(i) for _, i in tens)
+    # base[indices]: adjacent index tensors put their R broadcast dims where they stood, separated ones put
+    # them first (numpy's rule); values broadcast to that shape
+    start = positions[0] if positions == list(range(positions[0], positions[-1] + 1)) else 0
+    kept = [d for d in range(ndim(base)) if d not in positions]
+    base_dim = kept[:start] + [None] * R + kept[start:]  # the base dim of each dim of base[indices]
+    lay = None
+    sv, sb = an.st(values), an.st(base)
+    if isinstance(sv, Batched):
+        if sv.dim is None:
+            return SINGLE
+        d = base_dim[sv.dim + len(base_dim) - ndim(values)]
+        if d is None or not known(shape_of(values)[sv.dim] == shape_of(base)[d]):
+            return None
+        lay = sv.moved(d)
+    if isinstance(sb, Batched):
+        if sb.dim is None:
+            return SINGLE
+        if sb.dim in positions:
+            return None
+        if lay is not None and not (lay.dim == sb.dim and known(lay.outer == sb.outer) and
+                                    known(lay.inner == sb.inner)):
+            return fail_layout(an, node, "puts values into a tensor whose samples are laid out differently")
+        lay = sb
+    return lay
+
+
 def _index_put(an, node):
     """base.index_put(indices, values, accumulate): the embedding backward."""
     t = node.target
@@ -110,6 +146,9 @@ def _index_put(an, node):
     masked = _masked_fill(an, node, base, indices, values)
     if masked is not None:
         return masked
+    kept = _index_put_off_sample_dim(an, node, base, indices, values, mask)
+    if kept is not None:
+        return kept
     if an.st(base) is not FREE:
         raise an.refuse(node, "scatters into a per-sample tensor")
     tens = [i for i in indices if i is not None]

@@ -236,7 +236,37 @@ def _slice_scatter(an, node):
     return found
 
 
+def _contiguous_strides(shape) -> list:
+    strides, acc = [], 1
+    for n in reversed(list(shape)):
+        strides.append(acc)
+        acc = acc * n
+    return strides[::-1]
+
+
+def _as_strided(an, node):
+    """as_strided that reads a contiguous tensor as another contiguous shape of the same size (Inductor's
+    GroupNorm decomposition re-reads its [N, G, C/G, 1] statistics as [N, C] this way) is a view; any other
+    as_strided (overlapping or skipping entries, an offset) could move entries across samples: refused."""
+    x, out = node.args[0], node.meta["val"]  # sizes and strides as values (a batch size is a graph node)
+    xv = x.meta["val"]
+    size, stride = list(out.shape), list(out.stride())
+    same = known(prod_of(size) == xv.numel()) and known(out.storage_offset() == 0) and xv.is_contiguous() and \
+        all(known(a == b) or known(n == 1) for a, b, n in zip(stride, _contiguous_strides(size), size))
+    if not same:
+        return fail_layout(an, node, "reads the tensor's memory with strides of its own (as_strided)")
+    return _view(an, node)
+
+
+def prod_of(xs):
+    p = 1
+    for x in xs:
+        p = p * x
+    return p
+
+
 RULES: dict[Any, Any] = {}
+RULES[aten.as_strided] = _as_strided
 for p in (aten.view, aten._unsafe_view, aten.reshape):
     RULES[p] = _view
 for p in (aten.clone, aten.alias, aten._to_copy, aten.detach, aten.lift_fresh_copy, aten.contiguous):

@@ -1,0 +1,124 @@
+"""Convolutions: every form (1-D/2-D/3-D, stride, padding, dilation, groups, transposed, bias) against the vmap(grad)
+oracle with clipping active, both schedules and both per-sample norm forms; the cost model's choice; blocks."""
+import pytest
+import torch
+import torch.nn as nn
+
+import dpcompile
+import models as M
+from helpers import check_against_reference
+
+from dpcompile.passes import per_sample_norms
+
+_CONV = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (3, False): nn.Conv3d,
+         (1, True): nn.ConvTranspose1d, (2, True): nn.ConvTranspose2d, (3, True): nn.ConvTranspose3d}
+
+
+class TwoConvs(nn.Module):
+    """conv -> tanh -> conv -> linear: the second convolution also computes an input gradient."""
+
+    def __init__(self, dim, transposed, size, **kw):
+        super().__init__()
+        conv = _CONV[dim, transposed]
+        self.c1 = conv(4, 6, 3, **kw)
+        self.c2 = conv(6, 2, 2, **{k: v for k, v in kw.items() if k in ("groups", "bias")})
+        self.fc = nn.Linear(_out_numel(self, dim, size), 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.c2(torch.tanh(self.c1(x)))).flatten(1))
+
+
+def _out_numel(m, dim, size):
+    with torch.no_grad():
+        return m.c2(m.c1(torch.zeros(1, 4, *[size] * dim))).numel()
+
+
+FORMS = {
+    "2d": (2, False, {}),
+    "2d_stride_pad_groups": (2, False, dict(stride=2, padding=1, groups=2)),
+    "2d_depthwise_no_bias": (2, False, dict(groups=2, bias=False)),
+    "1d_dilated_same": (1, False, dict(dilation=2, padding="same")),
+    "3d_anisotropic_stride": (3, False, dict(stride=(1, 2, 1), padding=(0, 1, 1))),
+    "2d_transposed": (2, True, dict(stride=2, padding=1, output_padding=1, groups=2)),
+    "1d_transposed_dilated": (1, True, dict(dilation=2)),
+}
+
+
+# every form with both schedules and both norm forms, paired differently from form to form (CI time)
+RUNS = [(form, schedule, norm) for i, form in enumerate(sorted(FORMS))
+        for schedule, norm in ((("bk", "direct"), ("ghost", "ghost")), (("bk", "ghost"), ("ghost", "direct")))[i % 2]]
+
+
+@pytest.mark.parametrize("form,schedule,conv_norm", RUNS)
+def test_convolution_forms_match_the_oracle(form, schedule, conv_norm):
+    dim, transposed, kw = FORMS[form]
+    size = 4 if dim == 3 else 7
+    model = TwoConvs(dim, transposed, size, **kw)
+    x, y = torch.randn(5, 4, *[size] * dim), torch.randn(5, 3)
+    backend = check_against_reference(model, M.mse, (x,), (y,), schedule=schedule, compiler="eager",
+                                      conv_norm=conv_norm)
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert rec.counters[f"norm_conv_{conv_norm}"] == 2
+    # the first convolution needs no input gradient: weight and bias split apart; the second: all three
+    assert rec.counters.get("conv_backward_split", 0) == 1 + ("bias" not in kw)
+    assert rec.summary["params"]["c1.weight"]["norm"] == conv_norm
+    assert f"conv_norm={conv_norm!r}" in rec.summary["params"]["c1.weight"]["why"]
+
+
+def test_auto_picks_the_cheaper_norm_per_layer_and_says_why():
+    """Non-overlapping patches with many channels and few positions (a ViT's patch embedding): the Gram
+    matrices over 4 positions are cheaper than the [B, 32, 3, 4, 4] gradient; a 3x3 convolution over 64
+    positions with few channels: the direct gradient is."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch = nn.Conv2d(3, 32, 4, stride=4)
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.fc = nn.Linear(32 * 4 + 4 * 64, 2)
+
+        def forward(self, x):
+            return self.fc(torch.cat([self.patch(x).flatten(1), self.conv(x).flatten(1)], 1))
+
+    backend = check_against_reference(Net(), M.mse, (torch.randn(4, 3, 8, 8),), (torch.randn(4, 2),),
+                                      schedule="bk", compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    params = rec.summary["params"]
+    assert params["patch.weight"]["norm"] == "ghost" and params["conv.weight"]["norm"] == "direct", params
+    for name in ("patch.weight", "conv.weight"):
+        assert "ghost ~" in params[name]["why"] and "direct ~" in params[name]["why"]
+
+
+@pytest.mark.parametrize("conv_norm", ["direct", "ghost"])
+def test_large_convolution_norms_are_computed_in_blocks(conv_norm, monkeypatch):
+    monkeypatch.setattr(per_sample_norms, "NORM_BLOCK_BYTES", 256)
+    model = TwoConvs(2, False, 7, groups=2)
+    backend = check_against_reference(model, M.mse, (torch.randn(5, 4, 7, 7),), (torch.randn(5, 3),),
+                                      schedule="bk", compiler="eager", conv_norm=conv_norm)
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert rec.counters["norm_blocks"] >= 4
+    assert "blocks" in rec.summary["params"]["c1.weight"]["why"] or conv_norm == "ghost"
+
+
+def test_a_convolution_over_the_sample_dim_is_refused():
+    """The samples as the input's channels (x transposed to [C, B, L]): the convolution mixes them."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv1d(4, 2, 3)
+            self.fc = nn.Linear(3 * 2 * 3, 4)
+
+        def forward(self, x):  # x [B=4, 3, 5]
+            return self.fc(self.c(x.transpose(0, 1)).flatten()).expand(x.shape[0], 4)
+
+    net = Net()
+    step = dpcompile.private_step(lambda x, y: ((net(x) - y) ** 2).sum(1).mean().backward(), max_grad_norm=1.0,
+                                  noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
+    with pytest.raises(dpcompile.DPCompileError, match=r"convolution.*samples of its input on dim 1"):
+        step(torch.randn(4, 3, 5), torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_instance_norm_matches_the_oracle(schedule):
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True), nn.Flatten(), nn.Linear(4 * 16, 2))
+    check_against_reference(net, M.mse, (torch.randn(5, 3, 6, 6),), (torch.randn(5, 2),), schedule=schedule,
+                            compiler="eager")

@@ -30,7 +30,8 @@ export PYTHONUNBUFFERED=1
 
 missing=$(python3 - <<'PY'
 import importlib.util
-need = ["pytest", "xdist", "execnet", "expecttest", "opacus", "opt_einsum", "scipy", "transformers", "tqdm", "matplotlib"]
+need = ["pytest", "xdist", "execnet", "expecttest", "opacus", "opt_einsum", "scipy", "transformers", "tqdm", "matplotlib",
+        "sklearn", "timm"]
 print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
 PY
 )

@@ -236,3 +236,22 @@ def test_samples_on_a_spatial_dim_are_refused(op, name):
 
     err = _refusal(nn.Linear(5, 6), loss_of, (torch.randn(4, 5), torch.randint(0, 6, (4,))))
     assert name in str(err) and "mixes along the sample dim" in str(err), str(err)
+
+
+def test_a_parameter_resized_by_interpolation_is_refused_with_what_to_do():
+    """A learned grid resized to the input's size (a ViT position embedding at another resolution): its
+    gradient is an index_put at several sample-free indices, which the per-sample replay cannot take."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.grid = nn.Parameter(torch.randn(1, 2, 3, 3))
+            self.fc = nn.Linear(2 * 6 * 6, 2)
+
+        def forward(self, x):  # x [B, 2, 6, 6]
+            return self.fc((x + F.interpolate(self.grid, size=(6, 6), mode="bilinear")).flatten(1))
+
+    net = Net()
+    step = dpcompile.private_step(lambda x, y: ((net(x) - y) ** 2).sum(1).mean().backward(), max_grad_norm=1.0,
+                                  noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
+    with pytest.raises(dpcompile.DPCompileError, match=r"grid.*resized.*resize it outside the step"):
+        step(torch.randn(4, 2, 6, 6), torch.randn(4, 2))

@@ -115,10 +115,3 @@ def test_a_convolution_over_the_sample_dim_is_refused():
                                   noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
     with pytest.raises(dpcompile.DPCompileError, match=r"convolution.*samples of its input on dim 1"):
         step(torch.randn(4, 3, 5), torch.randn(4, 4))
-
-
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_instance_norm_matches_the_oracle(schedule):
-    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True), nn.Flatten(), nn.Linear(4 * 16, 2))
-    check_against_reference(net, M.mse, (torch.randn(5, 3, 6, 6),), (torch.randn(5, 2),), schedule=schedule,
-                            compiler="eager")

@@ -254,3 +254,9 @@ def cache_serves_sharded_steps() -> bool:
     import torch
 
     return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def reflection_pad_takes_unbacked_batch() -> bool:
+    """torch 2.13's reflection_pad meta traces an unbacked batch size; 2.11's checks it against 0 (Ne(u0, 0),
+    a GPU run): dynamo breaks the graph there, which dpcompile refuses as a partial step."""
+    return dtensor_takes_unbacked_batch()  # the same torch release: 2.13

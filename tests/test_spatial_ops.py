@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpcompile
+from dpcompile.compat import reflection_pad_takes_unbacked_batch
 import models as M
 from helpers import check_against_reference
 from reference import dp_reference
@@ -179,6 +180,10 @@ def test_one_graph_for_every_batch_size():
     reflection padding's backward, the [B*C, H*W] planes of max pooling's scatter_add."""
     ops = [(pad((1, 2, 2, 1), "reflect"), "cnhw"), (lambda h: F.max_pool2d(h, 2, 1), "nchw"),
            (pad((1, 2), "replicate"), "flat")]
+    if not reflection_pad_takes_unbacked_batch():
+        # torch 2.11's reflection_pad2d meta checks its input against an empty batch (Ne(u0, 0)): a graph break
+        # for an unbacked batch size, which dpcompile refuses as a partial step; 2.13 traces it
+        ops = ops[1:]
     model = SpatialNet(ops, (2, 3, 4))
     batches = [(torch.randn(B, 6), torch.randint(0, 3, (B,))) for B in (3, 0, 1, 4)]
     _, norms = dp_reference(model, M.ce, batches[0][:1], batches[0][1:], max_grad_norm=1.0, reduction="sum")

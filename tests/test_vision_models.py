@@ -71,7 +71,9 @@ def test_wide_resnet16(schedule):
 def test_resnet18_groupnorm(schedule):
     model = vm.ResNet18GN(num_classes=CLASSES, width=8, groups=4)
     options = {"conv_norm": "direct"} if schedule == "ghost" else {}
-    rec = dp_run(model, torch.randn(B, 3, 32, 32), schedule, compiler="eager", **options)
+    # fp32 against fp64 through 17 layers: one entry of a stage-2 kernel came out 3.7e-7 off on another CPU's
+    # summation order (the default allows 2.6e-7 there); a wrong clip is off by orders of magnitude more
+    rec = dp_run(model, torch.randn(B, 3, 32, 32), schedule, compiler="eager", atol=1e-6, **options)
     if options:
         assert_conv_norms_forced(rec, model, "direct")
     else:  # the cost model picks per layer: direct for the stem's 256 positions, ghost for the last stage's 1

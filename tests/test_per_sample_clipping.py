@@ -9,14 +9,21 @@ from cases import CASES, check_case_invariants, ids as _ids, with_bad_samples
 from helpers import check_against_reference
 
 
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_reference(case, schedule):
+# Every case with both schedules; one of the two through Inductor's generated code, the other op by op
+# (compiler="eager": the same graphs dpcompile rewrote), alternating from case to case, as the sharded matrix
+# does (tests/test_fsdp.py): Inductor's code for each case once, at half the CI time
+MATCH_RUNS = [(case, schedule, ("inductor", "eager")[(i + k) % 2])
+              for i, case in enumerate(sorted(CASES)) for k, schedule in enumerate(("bk", "ghost"))]
+
+
+@pytest.mark.parametrize("case,schedule,compiler", MATCH_RUNS)
+def test_matches_reference(case, schedule, compiler):
     """6 samples of which 2 are bad (a NaN input, an inf loss weight): those are dropped, the other 4
     clipped and summed exactly."""
     c = with_bad_samples(CASES[case])
     inputs, targets = c.data(6)
-    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, reduction=c.reduction)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, reduction=c.reduction,
+                                      compiler=compiler)
     (record,) = [r for r in backend.compiled if r.dp]
     check_case_invariants(case, record.counters, record.summary)
     if case == "gpt_frozen":

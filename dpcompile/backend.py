@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcompile.accumulation import accumulating
-from dpcompile.batching import is_unbacked, require_unbacked_batch
+from dpcompile.batching import batch_sizes, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
@@ -534,7 +534,7 @@ class DPBackend:
             ) from e
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
-                    tp: TPMesh | None, aot_cache: bool, inner: dict) -> Callable:
+                    tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         def not_donated(n: int) -> None:
@@ -553,7 +553,7 @@ class DPBackend:
                 # the convolution does not give when the batch size is unbacked (one graph for every batch
                 # size: sharded steps, mark_batch): its stride asserts fail at run time, with stock
                 # torch.compile too (torch 2.13, CPU). Static batch sizes keep it
-                "layout_optimization": torch._inductor.config.layout_optimization and not _unbacked_batch(gm),
+                "layout_optimization": torch._inductor.config.layout_optimization and not unbacked,
                 # pad_mm pads and re-slices contractions in the joint graph; the
                 # per-sample norms are cheaper on the unpadded ones
                 "shape_padding": False,
@@ -612,6 +612,7 @@ class DPBackend:
         seeds_example = self.noise.example(len(inputs), device)
         counter = self._dropped_counter(device)
         gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
+        unbacked = any(is_unbacked(size) for size, *_ in batch_sizes(gm, inputs))  # one graph, every batch size
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         distributed = any(gi.sharded or gi.tp for gi in inputs)
@@ -622,14 +623,16 @@ class DPBackend:
             stable_mesh_keys()
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
-        compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner)
+        compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner,
+                                    unbacked)
         if key is not None:
             record.cache = "miss" if part.called else "hit"
             found = part.called or load_record(key, record)
             if not found and tp is not None:
                 # a hit whose record is gone (its process died before writing it): a tensor-parallel step's
                 # noise streams are in the record, so it compiles again, without the cache, and writes it
-                compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, False, inner)
+                compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, False, inner,
+                                            unbacked)
                 record.cache = "miss"
             if part.called:  # for a later process that this compile's cache entry serves
                 save_record(key, record)
@@ -716,15 +719,6 @@ def seeded_random(size, seed: torch.Tensor, mode: str, **kwargs) -> torch.Tensor
 
 _DROPPED_INPUT_NAME = "dpcompile_dropped_samples"
 _NOISE_GATE_INPUT_NAME = "dpcompile_noise_gate"  # 1.0: add the noise; 0.0: inside dpcompile.accumulate()
-
-
-def _unbacked_batch(gm: fx.GraphModule) -> bool:
-    """Whether dynamo traced the step with an unbacked size (its example inputs are real tensors)."""
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        v = ph.meta.get("example_value", ph.meta.get("val"))
-        if is_unbacked(v) or isinstance(v, torch.Tensor) and any(is_unbacked(n) for n in v.shape):
-            return True
-    return False
 
 
 def _with_extra_inputs(gm: fx.GraphModule, extra: list[tuple[str, torch.Tensor]]) -> fx.GraphModule:

@@ -236,12 +236,16 @@ def hf_expand_position_ids() -> None:
     module._preprocess_mask_arguments = preprocess_mask_arguments
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+
+
 def dtensor_takes_unbacked_batch() -> bool:
     """torch 2.13's DTensor propagates shardings over an unbacked batch size; 2.11's guards on it (its view
     rule asks "u0 == 1", its embedding rule "u0 < 2"), which fails dynamo's trace."""
-    import torch
-
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+    return _torch_at_least(2, 13)
 
 
 def cache_serves_sharded_steps() -> bool:
@@ -251,12 +255,10 @@ def cache_serves_sharded_steps() -> bool:
     ("Unsupported call_function target ...method_redistribute.<locals>.redistribute_fn_with_prim_types", seen
     with TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache on two H200s), so it never saves an entry
     for such a step; there those steps skip the cache, as they did before."""
-    import torch
-
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+    return _torch_at_least(2, 13)
 
 
 def reflection_pad_takes_unbacked_batch() -> bool:
     """torch 2.13's reflection_pad meta traces an unbacked batch size; 2.11's checks it against 0 (Ne(u0, 0),
     a GPU run): dynamo breaks the graph there, which dpcompile refuses as a partial step."""
-    return dtensor_takes_unbacked_batch()  # the same torch release: 2.13
+    return _torch_at_least(2, 13)

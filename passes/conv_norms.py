@@ -12,6 +12,8 @@ and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's |
 - direct: the per-sample gradient itself, from convolution_backward with the samples folded into the
   groups (rows of all samples side by side as channels, groups * B groups): [B, *weight], exact, computed
   by the same library kernel as the gradient. Cost ~ S * |weight| per sample (S = positions of the sample).
+  With a batch size unknown at compile time (Inductor lowers a convolution only with a static number of
+  groups, and an empty rank would have none) it is the contraction E^T unfold(D) per sample instead.
 - ghost: sum over groups of <E E^T, D D^T> over the sample's positions: [B, S, S] Gram matrices, cost
   ~ S^2 (channels of E + channels of D). Cheaper when positions are few and channels many.
 
@@ -140,25 +142,36 @@ def _grads_by_grouped_convolution(b, geo, e, d, groups, B):
     return b.view(dw, [B, rows] + list(geo.weight_shape[1:]))
 
 
-def _grads_by_unfolded_contraction(b, geo, e, d, groups, B):
-    """E^T unfold(D) per sample and group: [B * groups, Ce/groups, S] @ [B * groups, S, Cd*K/groups]."""
+def grouped_factors(b: GraphBuilder, geo: ConvGeometry, e: fx.Node, d: fx.Node, groups: int, B: Any):
+    """(unfold(d), e) per sample and group as [B * groups, S, channels per group] (the ghost form's Gram
+    factors, the unfolded direct form's contraction operands), or None when unfold(d)'s positions are not
+    e's (a transposed convolution whose output_padding reaches past the stride)."""
     from .per_sample_norms import sample_major  # noqa: PLC0415  (per_sample_norms imports this module)
 
     D = unfold(b, d, geo.kernel, geo.stride, geo.padding, geo.dilation)
     if list(D.meta["val"].shape[2:]) != list(e.meta["val"].shape[2:]):
+        return None
+    A = sample_major(b, D, geo.lay, [1], B)  # [B, S, Cd * K]
+    G = sample_major(b, e, geo.lay, [1], B)  # [B, S, Ce]
+    if groups > 1:  # no -1 in the shapes: B may be 0
+        S = A.meta["val"].shape[1]
+        A, G = (b.reshape(b.permute(b.view(t, [B, S, groups, t.meta["val"].shape[2] // groups]), [0, 2, 1, 3]),
+                          [B * groups, S, t.meta["val"].shape[2] // groups]) for t in (A, G))
+    return A, G
+
+
+def _grads_by_unfolded_contraction(b, geo, e, d, groups, B):
+    """E^T unfold(D) per sample and group: [B * groups, Ce/groups, S] @ [B * groups, S, Cd*K/groups]."""
+    factors = grouped_factors(b, geo, e, d, groups, B)
+    if factors is None:
         raise DPCompileError(
             f"dp_fsdp: the per-sample norm of the transposed convolution with weight {geo.weight_shape}, "
             f"output_padding {geo.output_padding}, stride {geo.stride} has no form for a batch size unknown at "
             f"compile time (its unfolded positions differ from the input's); compile the step with a static "
             f"batch size, or use an output_padding below the stride")
-    A = sample_major(b, D, geo.lay, [1], B)  # [B, S, Cd * K]
-    G = sample_major(b, e, geo.lay, [1], B)  # [B, S, Ce]
-    S, ca, cg = A.meta["val"].shape[1], A.meta["val"].shape[2] // groups, G.meta["val"].shape[2] // groups
-    if groups > 1:
-        A, G = (b.reshape(b.permute(b.view(t, [B, S, groups, c]), [0, 2, 1, 3]), [B * groups, S, c])
-                for t, c in ((A, ca), (G, cg)))
+    A, G = factors
     dw = b.call(aten.bmm.default, b.permute(G, [0, 2, 1]), A)  # [B * groups, Ce/groups, Cd*K/groups]
-    return b.reshape(dw, [B, groups * cg] + list(geo.weight_shape[1:]))
+    return b.reshape(dw, [B, groups * G.meta["val"].shape[2]] + list(geo.weight_shape[1:]))
 
 
 def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: list, dilation: list) -> fx.Node:

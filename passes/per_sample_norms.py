@@ -205,15 +205,11 @@ class NormBuilder:
     def _conv_ghost_sq(self, geo: conv_norms.ConvGeometry) -> fx.Node | None:
         """sum over groups of <E E^T, D D^T> per sample; None when unfold(D)'s positions are not E's."""
         b, B, g = self.b, self.B, geo.groups
-        D = conv_norms.unfold(b, geo.d, geo.kernel, geo.stride, geo.padding, geo.dilation)
-        if list(D.meta["val"].shape[2:]) != list(geo.e.meta["val"].shape[2:]):
+        factors = conv_norms.grouped_factors(b, geo, geo.e, geo.d, g, B)  # [B * g, S, channels per group]
+        if factors is None:
             return None
-        A = sample_major(b, D, geo.lay, [1], B)  # [B, S, Cd * K]
-        G = sample_major(b, geo.e, geo.lay, [1], B)  # [B, S, Ce]
+        A, G = factors  # one Gram pair per group
         S = A.meta["val"].shape[1]
-        if g > 1:  # [B * g, S, channels per group]: one Gram pair per group (no -1: B may be 0)
-            A, G = (b.reshape(b.permute(b.view(t, [B, S, g, t.meta["val"].shape[2] // g]), [0, 2, 1, 3]),
-                              [B * g, S, t.meta["val"].shape[2] // g]) for t in (A, G))
         k = self._blocks(2 * S * S * 4 * g, S)
         parts = []
         for lo, hi in _spans(S, k):

@@ -2,6 +2,8 @@
 
     python benchmarks/vision.py                                # WRN-16-4 and ViT-S/16, fp32 and bf16, every mode
     python benchmarks/vision.py --models vit --dtypes bf16 --modes nonprivate,ghost --out vit.json
+    python benchmarks/vision.py --models wrn16-4 --cudagraphs  # CUDA graphs on both sides (launch-bound steps)
+    python benchmarks/vision.py --models wrn16-4 --conv-norm direct --kernel-profile kp   # a forced norm form; kernels
     python benchmarks/vision.py --tiny                         # CPU smoke run: narrow models, few steps, eager
     python benchmarks/vision.py --tiny --compiler inductor     # ... with Inductor's code generation (slow on CPU)
 
@@ -54,7 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # dpcompile from this checkout, also when it is not installed
 sys.path.insert(0, HERE)
 import dpcompile  # noqa: E402
-from anchors import compile_phases, failure  # noqa: E402
+from anchors import compile_phases, failure, kernel_profile  # noqa: E402
 from vision_models import ViT, WideResNet  # noqa: E402
 
 MODES = ("nonprivate", "bk", "ghost", "opacus")
@@ -72,7 +74,7 @@ def autocast_for(dtype: str, device: torch.device):
     return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
 
 
-def torch_step(mode: str, model: nn.Module, batch: int, autocast, compiler: str):
+def torch_step(mode: str, model: nn.Module, batch: int, autocast, compiler: str, options: dict):
     """The non-private step and the dpcompile steps: one train_step, compiled by stock Inductor or dp_fsdp."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -83,10 +85,11 @@ def torch_step(mode: str, model: nn.Module, batch: int, autocast, compiler: str)
         return loss.detach()
 
     if mode == "nonprivate":
-        fn = torch.compile(train_step, backend="inductor" if compiler == "inductor" else "aot_eager_decomp_partition")
+        fn = torch.compile(train_step, backend="inductor" if compiler == "inductor" else "aot_eager_decomp_partition",
+                           mode="reduce-overhead" if options.get("cudagraphs") else None)
     else:
         fn = dpcompile.private_step(train_step, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch,
-                                    schedule=mode, compiler=compiler)
+                                    schedule=mode, compiler=compiler, **options)
 
     def step(x, y):
         loss = fn(x, y)
@@ -129,10 +132,17 @@ def norm_forms(fn) -> dict | None:
     return {k: v for k, v in recs[-1].counters.items() if k.startswith("norm_")} if recs else None
 
 
+def dp_options(args) -> dict:
+    """dpcompile options from the command line (the defaults where not given)."""
+    opts = {k: v for k, v in (("conv_norm", args.conv_norm), ("linear_norm", args.linear_norm)) if v is not None}
+    return {**opts, "cudagraphs": True} if args.cudagraphs else opts
+
+
 def base_row(shape: str, dtype: str, mode: str, args) -> dict:
     _, side, _, batch = (TINY_SHAPES if args.tiny else SHAPES)[shape]
     return {"shape": shape, "dtype": dtype, "mode": mode, "batch": batch, "image": side,
-            "compiler": None if mode == "opacus" else args.compiler}
+            "compiler": None if mode == "opacus" else args.compiler,
+            "options": None if mode == "opacus" else dp_options(args)}
 
 
 def measure(shape: str, dtype: str, mode: str, args, device: torch.device) -> dict:
@@ -161,7 +171,7 @@ def measure(shape: str, dtype: str, mode: str, args, device: torch.device) -> di
     if mode == "opacus":
         step = opacus_step(model, batch, autocast)
     else:
-        step, fn = torch_step(mode, model, batch, autocast, args.compiler)
+        step, fn = torch_step(mode, model, batch, autocast, args.compiler, dp_options(args))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     first_loss = step(x, y)
@@ -178,7 +188,10 @@ def measure(shape: str, dtype: str, mode: str, args, device: torch.device) -> di
         step(x, y)
         sync()
         times.append(time.perf_counter() - t)
-    return {**row, "status": "ok", "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+    kernels = kernel_profile({"kernel_profile": args.kernel_profile, "model": shape, "B": batch, "T": side,
+                              "dtype": dtype, "mode": "-".join([mode] + [f"{k}-{v}" for k, v in dp_options(args).items()])},
+                             lambda: step(x, y), device) if args.kernel_profile else None
+    return {**row, "status": "ok", "kernel_profile": kernels, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "compile_and_warmup_s": warm_s, "first_loss": first_loss,
             "params": sum(p.numel() for p in model.parameters()),
@@ -237,6 +250,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: narrow models, batch 8, few steps")
     ap.add_argument("--compiler", choices=["inductor", "eager"], default=None,
                     help="code generation of the compiled modes (default inductor; --tiny: eager)")
+    ap.add_argument("--conv-norm", default=None, choices=["auto", "ghost", "direct"],
+                    help="dpcompile's conv_norm option for bk and ghost (default: its default, auto)")
+    ap.add_argument("--linear-norm", default=None, choices=["auto", "ghost", "direct"],
+                    help="dpcompile's linear_norm option for bk and ghost (default: its default, auto)")
+    ap.add_argument("--cudagraphs", action="store_true",
+                    help="CUDA graphs on both sides: the non-private step with mode='reduce-overhead', dpcompile's "
+                         "with cudagraphs=True (its analogue)")
+    ap.add_argument("--kernel-profile", default=None, metavar="DIR",
+                    help="CUDA: one more step of each mode under torch.profiler; every GPU kernel's count and time "
+                         "as JSON in DIR")
     ap.add_argument("--out", default=None, help="JSON of every row, rewritten after each mode")
     args = ap.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else 2 if args.tiny else 3

@@ -9,21 +9,22 @@ weight's dim 0 and D the other operand unfolded (its channels times the kernel p
 
 and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's ||dW||^2:
 
-- direct: the per-sample gradient itself, from convolution_backward with the samples folded into the
-  groups (rows of all samples side by side as channels, groups * B groups): [B, *weight], exact, computed
-  by the same library kernel as the gradient. Cost ~ S * |weight| per sample (S = positions of the sample).
-  With a batch size unknown at compile time (Inductor lowers a convolution only with a static number of
-  groups, and an empty rank would have none) it is the contraction E^T unfold(D) per sample instead.
+- direct: the per-sample gradient itself, E^T unfold(D) per sample and group, one batched contraction in the
+  operands' dtype with fp32 accumulation: [B, *weight], exact. Cost ~ S * |weight| per sample (S = positions
+  of the sample). It takes any batch size, also one unknown at compile time or 0. (A transposed convolution
+  whose output_padding reaches past its stride has no unfold lined up with E: with a static batch size its
+  gradients come from convolution_backward with the samples folded into the groups.)
 - ghost: sum over groups of <E E^T, D D^T> over the sample's positions: [B, S, S] Gram matrices, cost
   ~ S^2 (channels of E + channels of D). Cheaper when positions are few and channels many.
 
 The unfold is exact (slices of the padded operand, or a reshape for non-overlapping patches): no arithmetic,
-so no TF32 rounding of a convolution with an identity kernel.
+so no TF32 rounding of a convolution with an identity kernel. Both forms unfold D; when unfold(D) (or the
+direct form's gradients) would exceed the norm block size at the expected batch size, both run in blocks of
+whole groups or of D's channels, whose squared norms add (block_operands).
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import operator
 from typing import Any
@@ -35,6 +36,7 @@ from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import GraphBuilder, known
 
 from .batch_state import Batched, Contribution
+from .sample_factors import bmm_f32, sample_major, transpose12
 
 aten = torch.ops.aten
 
@@ -74,13 +76,22 @@ def geometry(c: Contribution) -> ConvGeometry:
                         list(dilation), bool(transposed), list(output_padding), groups)
 
 
+# Multiply-adds worth one byte of an fp32 intermediate written and read back: a tensor-core rate over the memory
+# bandwidth (an H100: ~200 T multiply-adds/s in TF32, ~3.3 TB/s), as an order of magnitude. Both forms read the
+# same unfolded operand, so only what differs counts: the direct form's [B, *weight] gradients, the ghost
+# form's two [B, S, S] Gram matrices.
+MACS_PER_BYTE = 64
+
+
 def cost(geo: ConvGeometry) -> tuple[Any, Any]:
-    """(ghost, direct) multiply-adds per sample."""
+    """(ghost, direct) time per sample in multiply-adds: the contractions, plus the fp32 intermediate each
+    writes and reads back at MACS_PER_BYTE."""
     S = geo.positions()
     e_ch = geo.weight_shape[0]
     d_ch = geo.weight_shape[1] * geo.groups * geo.K
-    ghost = S * S * (e_ch + d_ch)
-    direct = S * math.prod(geo.weight_shape)
+    w = math.prod(geo.weight_shape)
+    ghost = S * S * (e_ch + d_ch) + MACS_PER_BYTE * 2 * (2 * S * S * 4)
+    direct = S * w + MACS_PER_BYTE * 2 * (w * 4)
     return ghost, direct
 
 
@@ -90,11 +101,31 @@ def choose(geo: ConvGeometry, forced: str) -> tuple[str, str]:
         ghost_i, direct_i = int(ghost), int(direct)
     except TypeError:
         return ("direct", "symbolic shapes: direct form") if forced == "auto" else (forced, f"forced by conv_norm={forced!r}")
-    nums = f"S={geo.positions()}, weight {geo.weight_shape}, groups={geo.groups}: ghost ~S^2(Ce+Cd*k)={ghost_i:.3g} " \
-           f"vs direct ~S|w|={direct_i:.3g} per sample"
+    nums = f"S={geo.positions()}, weight {geo.weight_shape}, groups={geo.groups}: ghost ~S^2(Ce+Cd*k)+2 Grams=" \
+           f"{ghost_i:.3g} vs direct ~S|w|+|w|={direct_i:.3g} multiply-adds per sample"
     if forced != "auto":
         return forced, f"forced by conv_norm={forced!r}; {nums}"
     return ("ghost" if ghost_i < direct_i else "direct"), nums
+
+
+def block_units(geo: ConvGeometry) -> int:
+    """What the unfolded operand is split along when it is large: whole groups, or the other operand's
+    channels (the weight's dim 1) of an ungrouped convolution."""
+    return geo.groups if geo.groups > 1 else geo.weight_shape[1]
+
+
+def block_operands(b: GraphBuilder, geo: ConvGeometry, lo: int | None, hi: int | None) -> tuple[fx.Node, fx.Node, int]:
+    """(e, d, groups) of the block of units lo:hi (block_units; None: all). The squared norms of the blocks add:
+    a block is whole groups, or a slice of the weight's dim 1 (the gradient's columns, and the unfolded
+    operand's channels)."""
+    g, e, d = geo.groups, geo.e, geo.d
+    if hi is None:
+        return e, d, g
+    if g > 1:
+        e_per, d_per = geo.weight_shape[0] // g, d.meta["val"].shape[1] // g
+        e = b.call(aten.slice.Tensor, e, 1, lo * e_per, hi * e_per)
+        return e, b.call(aten.slice.Tensor, d, 1, lo * d_per, hi * d_per), hi - lo
+    return e, b.call(aten.slice.Tensor, d, 1, lo, hi), 1
 
 
 # -- operands as [rows of all samples, channels of sample-major] -----------------------------------------
@@ -109,45 +140,46 @@ def fold_samples_into_channels(b: GraphBuilder, x: fx.Node, lay: Batched, B: Any
     return b.reshape(xs, [lay.outer * lay.inner, B * C] + S)
 
 
-def per_sample_weight_grads(b: GraphBuilder, geo: ConvGeometry, B: Any, lo: int = 0, hi: int | None = None) -> fx.Node:
-    """Per-sample weight gradients [B, hi - lo (or its groups' channels), *weight[1:]] in fp32, for weight rows
-    lo:hi (whole groups when groups > 1: lo, hi count groups)."""
-    g = geo.groups
-    e_ch, d_ch = geo.weight_shape[0], geo.d.meta["val"].shape[1]
-    e, d = b.f32(geo.e), b.f32(geo.d)
-    if hi is not None:
-        if g > 1:  # whole groups of both operands
-            e = b.call(aten.slice.Tensor, e, 1, lo * (e_ch // g), hi * (e_ch // g))
-            d = b.call(aten.slice.Tensor, d, 1, lo * (d_ch // g), hi * (d_ch // g))
-        else:
-            e = b.call(aten.slice.Tensor, e, 1, lo, hi)
-    groups = (hi - lo if hi is not None else g) if g > 1 else 1
-    if isinstance(B, int):
-        return _grads_by_grouped_convolution(b, geo, e, d, groups, B)
-    # an unbacked batch size (one graph for every batch size): Inductor lowers a convolution only with a static
-    # number of groups, and a rank's batch may be empty (0 groups); the unfolded contraction takes any B
-    return _grads_by_unfolded_contraction(b, geo, e, d, groups, B)
+def per_sample_weight_grads(b: GraphBuilder, geo: ConvGeometry, B: Any, lo: int | None = None,
+                            hi: int | None = None) -> fx.Node:
+    """Per-sample weight gradients in fp32 of the block of units lo:hi (block_operands; None: all):
+    [B, E channels of the block, D channels per group of the block, *kernel]. The contraction E^T unfold(D) per
+    sample and group, in the operands' dtype with fp32 accumulation (bmm_f32): for any batch size, also an
+    unbacked one or 0. (cuDNN's convolution_backward with the samples folded into the groups took 5.6 ms for
+    one 64-channel 3x3 layer of a WRN-16-4 at batch 256 on an H200, in 256 launches of a legacy fp32 kernel.)"""
+    e, d, groups = block_operands(b, geo, lo, hi)
+    factors = grouped_factors(b, geo, e, d, groups, B)
+    if factors is None:  # a transposed convolution whose output_padding reaches past the stride
+        if isinstance(B, int):
+            return _grads_by_grouped_convolution(b, geo, b.f32(e), b.f32(d), groups, B)
+        raise DPCompileError(
+            f"dp_fsdp: the per-sample norm of the transposed convolution with weight {geo.weight_shape}, "
+            f"output_padding {geo.output_padding}, stride {geo.stride} has no form for a batch size unknown at "
+            f"compile time (its unfolded positions differ from the input's); compile the step with a static "
+            f"batch size, or use an output_padding below the stride")
+    A, G = factors
+    dw = bmm_f32(b, transpose12(b, G), A)  # [B * groups, Ce/groups, Cd*K/groups]
+    return b.reshape(dw, [B, e.meta["val"].shape[1], d.meta["val"].shape[1] // groups] + geo.kernel)
 
 
 def _grads_by_grouped_convolution(b, geo, e, d, groups, B):
-    """convolution_backward with each sample's channels a group of their own: the library's kernel, no unfold."""
+    """convolution_backward with each sample's channels a group of their own (static B only: Inductor lowers a
+    convolution only with a static number of groups)."""
     rows = e.meta["val"].shape[1]
     ef, df = fold_samples_into_channels(b, e, geo.lay, B), fold_samples_into_channels(b, d, geo.lay, B)
-    w = b.call(aten.empty.memory_format, [B * rows] + list(geo.weight_shape[1:]), dtype=torch.float32,
-               device=geo.e.meta["val"].device)
+    w_shape = [d.meta["val"].shape[1] // groups] + geo.kernel  # this block's weight, less its rows
+    w = b.call(aten.empty.memory_format, [B * rows] + w_shape, dtype=torch.float32, device=geo.e.meta["val"].device)
     grad_out, x = (df, ef) if geo.transposed else (ef, df)
     dw = b.call(operator.getitem, b.call(aten.convolution_backward.default, grad_out, x, w, None, geo.stride,
                                          geo.padding, geo.dilation, geo.transposed, geo.output_padding,
                                          groups * B, [False, True, False]), 1)
-    return b.view(dw, [B, rows] + list(geo.weight_shape[1:]))
+    return b.view(dw, [B, rows] + w_shape)
 
 
 def grouped_factors(b: GraphBuilder, geo: ConvGeometry, e: fx.Node, d: fx.Node, groups: int, B: Any):
     """(unfold(d), e) per sample and group as [B * groups, S, channels per group] (the ghost form's Gram
     factors, the unfolded direct form's contraction operands), or None when unfold(d)'s positions are not
     e's (a transposed convolution whose output_padding reaches past the stride)."""
-    from .per_sample_norms import sample_major  # noqa: PLC0415  (per_sample_norms imports this module)
-
     D = unfold(b, d, geo.kernel, geo.stride, geo.padding, geo.dilation)
     if list(D.meta["val"].shape[2:]) != list(e.meta["val"].shape[2:]):
         return None
@@ -158,20 +190,6 @@ def grouped_factors(b: GraphBuilder, geo: ConvGeometry, e: fx.Node, d: fx.Node, 
         A, G = (b.reshape(b.permute(b.view(t, [B, S, groups, t.meta["val"].shape[2] // groups]), [0, 2, 1, 3]),
                           [B * groups, S, t.meta["val"].shape[2] // groups]) for t in (A, G))
     return A, G
-
-
-def _grads_by_unfolded_contraction(b, geo, e, d, groups, B):
-    """E^T unfold(D) per sample and group: [B * groups, Ce/groups, S] @ [B * groups, S, Cd*K/groups]."""
-    factors = grouped_factors(b, geo, e, d, groups, B)
-    if factors is None:
-        raise DPCompileError(
-            f"dp_fsdp: the per-sample norm of the transposed convolution with weight {geo.weight_shape}, "
-            f"output_padding {geo.output_padding}, stride {geo.stride} has no form for a batch size unknown at "
-            f"compile time (its unfolded positions differ from the input's); compile the step with a static "
-            f"batch size, or use an output_padding below the stride")
-    A, G = factors
-    dw = b.call(aten.bmm.default, b.permute(G, [0, 2, 1]), A)  # [B * groups, Ce/groups, Cd*K/groups]
-    return b.reshape(dw, [B, groups * G.meta["val"].shape[2]] + list(geo.weight_shape[1:]))
 
 
 def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: list, dilation: list) -> fx.Node:
@@ -195,12 +213,22 @@ def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: lis
         for i in reversed(range(nd)):
             pads += [padding[i], padding[i]]
         x = b.call(aten.constant_pad_nd.default, x, pads, 0.0)
-    windows = []
-    for offs in itertools.product(*[range(k) for k in kernel]):
-        y = x
-        for i in range(nd):
-            start = offs[i] * dilation[i]
-            y = b.call(aten.slice.Tensor, y, 2 + i, start, start + stride[i] * (L[i] - 1) + 1, stride[i])
-        windows.append(b.call(aten.unsqueeze.default, y, 2))
-    # cat of unsqueezed windows, not stack: the graph is past Inductor's decompositions, which lower stack
-    return b.reshape(b.call(aten.cat.default, windows, 2), [N, C * len(windows)] + L)
+    # one gather: x[:, :, idx_1, .., idx_nd] with idx_i[k_i, L_i] = k_i * dilation + L_i * stride, laid out to
+    # broadcast to [k_1, .., k_nd, L_1, .., L_nd]; Inductor lowers it (with the padding) as one kernel
+    # (slices of every window and their cat took 257 kernels and 2 ms for a WRN-16-4 step on an H200)
+    device = x.meta["val"].device
+    indices = [None, None]
+    for i in range(nd):
+        k_i = b.call(aten.mul.Tensor, _iota(b, kernel[i], device), dilation[i])
+        l_i = b.call(aten.mul.Tensor, _iota(b, L[i], device), stride[i])
+        idx = b.call(aten.add.Tensor, b.view(k_i, [kernel[i], 1]), b.view(l_i, [1, L[i]]))
+        shape_i = [1] * (2 * nd)
+        shape_i[i], shape_i[nd + i] = kernel[i], L[i]
+        indices.append(b.view(idx, shape_i))
+    windows = b.call(aten.index.Tensor, x, indices)  # [N, C, *kernel, *L]
+    return b.reshape(windows, [N, C * math.prod(kernel)] + L)
+
+
+def _iota(b: GraphBuilder, n: Any, device: torch.device) -> fx.Node:
+    return b.call(torch.ops.prims.iota.default, n, start=0, step=1, dtype=torch.int64, device=device,
+                  requires_grad=False)

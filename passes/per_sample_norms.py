@@ -27,6 +27,7 @@ import torch.fx as fx
 from dpcompile.fx_utils import GraphBuilder, known
 
 from . import conv_norms
+from .sample_factors import bmm_f32, sample_major, transpose12 as _transpose12
 from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
 from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
@@ -34,25 +35,6 @@ from .tensor_parallel import is_tp_collective
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-
-def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[int], B: Any) -> fx.Node:
-    """x with samples on ``lay`` -> [B, S, F]: S = the sample's rows, F = features."""
-    shape = list(x.meta["val"].shape)
-    d = lay.dim
-    split = shape[:d] + [lay.outer, B, lay.inner] + shape[d + 1 :]
-    xs = b.view(x, split)
-    newpos = lambda k: k if k < d else k + 2  # noqa: E731
-    feats = [newpos(f) for f in feature_dims]
-    rows = [k for k in range(len(split)) if k != d + 1 and k not in feats]
-    xs = b.permute(xs, [d + 1] + rows + feats)
-    S = 1
-    for k in rows:
-        S = S * split[k]
-    F = 1
-    for k in feats:
-        F = F * split[k]
-    return b.reshape(xs, [B, S, F])
 
 
 # Largest fp32 intermediate one per-sample norm form may materialise at the expected batch size ([B, p, m]
@@ -73,27 +55,6 @@ def _add_all(b: GraphBuilder, parts: list[fx.Node]) -> fx.Node:
     for part in parts[1:]:
         total = b.call(aten.add.Tensor, total, part)
     return total
-
-
-def _transpose12(b, x):
-    return b.permute(x, [0, 2, 1])
-
-
-# Two bf16 (or two fp16) values multiply exactly in fp32, so a contraction of
-# low-precision factors with an fp32 result and fp32 accumulation computes
-# what the fp32 contraction of the upcast factors does (up to the order of the
-# sum), on tensor cores instead of CUDA cores (Llama-1B: 149 ms of fp32 norm
-# contractions per step on an H200). aten.bmm.dtype exists on CUDA only.
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def bmm_f32(b: GraphBuilder, x: fx.Node, y: fx.Node) -> fx.Node:
-    """[B, n, k] @ [B, k, m] -> fp32 [B, n, m], accumulated in fp32."""
-    xv, yv = x.meta["val"], y.meta["val"]
-    if (xv.device.type == "cuda" and xv.dtype == yv.dtype and xv.dtype in _LOW_PRECISION
-            and "dtype" in aten.bmm.overloads()):
-        return b.call(aten.bmm.dtype, x, y, torch.float32)
-    return b.call(aten.bmm.default, b.f32(x), b.f32(y))
 
 
 class NormBuilder:
@@ -187,39 +148,47 @@ class NormBuilder:
         b = self.b
         geo = conv_norms.geometry(c)
         algo, why = conv_norms.choose(geo, self.ctx.config.conv_norm)
-        if algo == "ghost":
-            sq = self._conv_ghost_sq(geo)
-            if sq is not None:
-                return sq, algo, why
-            algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
-        # the [B, *weight] per-sample gradients, in blocks of whole groups (or weight rows) when large
-        units = geo.groups if geo.groups > 1 else geo.weight_shape[0]
-        k = self._blocks(math.prod(geo.weight_shape) * 4, units)
+        # blocks of whole groups or of D's channels (conv_norms.block_operands) keep the unfolded operand and,
+        # in the direct form, the [B, *weight] gradients within the block size
+        d_elt = geo.d.meta["val"].element_size()
+        per_sample = geo.positions() * geo.weight_shape[1] * geo.groups * geo.K * d_elt
+        if algo == "direct":
+            per_sample = per_sample + math.prod(geo.weight_shape) * 4
+        units = conv_norms.block_units(geo)
+        k = self._blocks(per_sample, units)
         spans = [(None, None)] if k == 1 else _spans(units, k)
-        parts = [b.sq_sum_per_sample(conv_norms.per_sample_weight_grads(b, geo, self.B, lo, hi)) for lo, hi in spans]
-        if k > 1:
-            why += f"; in {k} blocks of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
-            self.ctx.counters["norm_blocks"] += k
+        if algo == "ghost":
+            parts = self._conv_ghost_parts(geo, spans)
+            if parts is None:
+                algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
+        if algo == "direct":
+            parts = [b.sq_sum_per_sample(conv_norms.per_sample_weight_grads(b, geo, self.B, lo, hi))
+                     for lo, hi in spans]
+        if len(parts) > 1:
+            why += f"; in {len(parts)} blocks of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
+            self.ctx.counters["norm_blocks"] += len(parts)
         return _add_all(b, parts), algo, why
 
-    def _conv_ghost_sq(self, geo: conv_norms.ConvGeometry) -> fx.Node | None:
-        """sum over groups of <E E^T, D D^T> per sample; None when unfold(D)'s positions are not E's."""
-        b, B, g = self.b, self.B, geo.groups
-        factors = conv_norms.grouped_factors(b, geo, geo.e, geo.d, g, B)  # [B * g, S, channels per group]
-        if factors is None:
-            return None
-        A, G = factors  # one Gram pair per group
-        S = A.meta["val"].shape[1]
-        k = self._blocks(2 * S * S * 4 * g, S)
+    def _conv_ghost_parts(self, geo: conv_norms.ConvGeometry, spans: list) -> list[fx.Node] | None:
+        """sum over groups of <E E^T, D D^T> per sample, as parts per block of units (spans) and of Gram rows;
+        None when unfold(D)'s positions are not E's. D D^T adds over D's channel blocks, so a block's part is
+        <E E^T, D_blk D_blk^T> (whole groups: its groups' terms)."""
+        b, B = self.b, self.B
         parts = []
-        for lo, hi in _spans(S, k):
-            Ab = A if k == 1 else b.call(aten.slice.Tensor, A, 1, lo, hi)
-            Gb = G if k == 1 else b.call(aten.slice.Tensor, G, 1, lo, hi)
-            prod = b.call(aten.mul.Tensor, bmm_f32(b, Ab, _transpose12(b, A)), bmm_f32(b, Gb, _transpose12(b, G)))
-            parts.append(b.sum_per_sample(b.view(prod, [B, g * prod.meta["val"].shape[1] * S]) if g > 1 else prod))
-        if k > 1:
-            self.ctx.counters["norm_blocks"] += k
-        return _add_all(b, parts)
+        for lo, hi in spans:
+            e, d, g = conv_norms.block_operands(b, geo, lo, hi)
+            factors = conv_norms.grouped_factors(b, geo, e, d, g, B)  # [B * g, S, channels per group]
+            if factors is None:
+                return None
+            A, G = factors  # one Gram pair per group
+            S = A.meta["val"].shape[1]
+            rows = self._blocks(2 * S * S * 4 * g, S)
+            for rlo, rhi in _spans(S, rows):
+                Ab = A if rows == 1 else b.call(aten.slice.Tensor, A, 1, rlo, rhi)
+                Gb = G if rows == 1 else b.call(aten.slice.Tensor, G, 1, rlo, rhi)
+                prod = b.call(aten.mul.Tensor, bmm_f32(b, Ab, _transpose12(b, A)), bmm_f32(b, Gb, _transpose12(b, G)))
+                parts.append(b.sum_per_sample(b.view(prod, [B, g * prod.meta["val"].shape[1] * S]) if g > 1 else prod))
+        return parts
 
     def conv_materialize(self, c: Contribution) -> fx.Node:
         return conv_norms.per_sample_weight_grads(self.b, conv_norms.geometry(c), self.B)

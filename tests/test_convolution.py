@@ -40,7 +40,7 @@ FORMS = {
     "1d_dilated_same": (1, False, dict(dilation=2, padding="same")),
     "3d_anisotropic_stride": (3, False, dict(stride=(1, 2, 1), padding=(0, 1, 1))),
     "2d_transposed": (2, True, dict(stride=2, padding=1, output_padding=1, groups=2)),
-    "1d_transposed_dilated": (1, True, dict(dilation=2)),
+    "1d_transposed_dilated": (1, True, dict(dilation=2, output_padding=1)),  # padding past the stride: no unfold
 }
 
 
@@ -58,11 +58,14 @@ def test_convolution_forms_match_the_oracle(form, schedule, conv_norm):
     backend = check_against_reference(model, M.mse, (x,), (y,), schedule=schedule, compiler="eager",
                                       conv_norm=conv_norm)
     (rec,) = [r for r in backend.compiled if r.dp]
-    assert rec.counters[f"norm_conv_{conv_norm}"] == 2
-    # the first convolution needs no input gradient: weight and bias split apart; the second: all three
-    assert rec.counters.get("conv_backward_split", 0) == 1 + ("bias" not in kw)
-    assert rec.summary["params"]["c1.weight"]["norm"] == conv_norm
-    assert f"conv_norm={conv_norm!r}" in rec.summary["params"]["c1.weight"]["why"]
+    forms = {k: v for k, v in rec.counters.items() if k.startswith("norm_conv_")}
+    assert sum(forms.values()) == 2 and set(forms) <= {f"norm_conv_{conv_norm}", "norm_conv_direct"}
+    for name in ("c1.weight", "c2.weight"):
+        p = rec.summary["params"][name]
+        # an output_padding past the stride: unfold(D) misses E's last positions, and the ghost form gives way
+        assert (p["norm"], f"conv_norm={conv_norm!r}" in p["why"]) == (conv_norm, True) or \
+            (p["norm"], "does not line up" in p["why"], kw.get("output_padding", 0)) == ("direct", True, 1), p
+    assert forms.get(f"norm_conv_{conv_norm}", 0) == 2 or "output_padding" in kw
 
 
 def test_auto_picks_the_cheaper_norm_per_layer_and_says_why():

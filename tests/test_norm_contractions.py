@@ -5,7 +5,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dpcompile.fx_utils import GraphBuilder
-from dpcompile.passes.per_sample_norms import bmm_f32
+from dpcompile.passes.sample_factors import bmm_f32
 
 aten = torch.ops.aten
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32

@@ -108,6 +108,19 @@ def choose(geo: ConvGeometry, forced: str) -> tuple[str, str]:
     return ("ghost" if ghost_i < direct_i else "direct"), nums
 
 
+def samples_outermost(geo: ConvGeometry) -> bool:
+    """Each sample's rows are contiguous along dim 0 (the samples the outermost factor of the rows)."""
+    return geo.lay.dim == 0 and known(geo.lay.outer == 1)
+
+
+def sample_block(b: GraphBuilder, geo: ConvGeometry, lo: int, hi: int) -> ConvGeometry:
+    """The geometry of samples lo:hi alone (samples_outermost: their rows are contiguous slices of both
+    operands)."""
+    lay = geo.lay
+    rows = [b.call(aten.slice.Tensor, x, 0, lo * lay.inner, hi * lay.inner) for x in (geo.e, geo.d)]
+    return dataclasses.replace(geo, e=rows[0], d=rows[1])
+
+
 def block_units(geo: ConvGeometry) -> int:
     """What the unfolded operand is split along when it is large: whole groups, or the other operand's
     channels (the weight's dim 1) of an ungrouped convolution."""

@@ -145,35 +145,59 @@ class NormBuilder:
 
     # -- conv: a convolution's weight gradient (passes.conv_norms) --------------
     def conv_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
-        b = self.b
+        b, B = self.b, self.B
         geo = conv_norms.geometry(c)
         algo, why = conv_norms.choose(geo, self.ctx.config.conv_norm)
-        # blocks of whole groups or of D's channels (conv_norms.block_operands) keep the unfolded operand and,
-        # in the direct form, the [B, *weight] gradients within the block size
-        d_elt = geo.d.meta["val"].element_size()
-        per_sample = geo.positions() * geo.weight_shape[1] * geo.groups * geo.K * d_elt
-        if algo == "direct":
-            per_sample = per_sample + math.prod(geo.weight_shape) * 4
-        units = conv_norms.block_units(geo)
-        k = self._blocks(per_sample, units)
-        spans = [(None, None)] if k == 1 else _spans(units, k)
-        if algo == "ghost":
-            parts = self._conv_ghost_parts(geo, spans)
-            if parts is None:
+        # Blocks keep the unfolded operand and the form's fp32 intermediate ([B, *weight] gradients, or two
+        # [B, S, S] Gram matrices) within the block size. With a static batch size: blocks of samples (contiguous
+        # rows of both operands, every intermediate shrinks). Otherwise: blocks of whole groups or of D's
+        # channels (conv_norms.block_operands), the Gram rows blocked apart.
+        S = geo.positions()
+        unfolded = S * geo.weight_shape[1] * geo.groups * geo.K * geo.d.meta["val"].element_size()
+        intermediate = {"direct": math.prod(geo.weight_shape) * 4, "ghost": 2 * S * S * 4 * geo.groups}
+        if isinstance(B, int) and conv_norms.samples_outermost(geo):
+            sq, k = self._conv_sq_by_samples(geo, algo, unfolded + intermediate[algo])
+            if sq is None:
                 algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
-        if algo == "direct":
-            parts = [b.sq_sum_per_sample(conv_norms.per_sample_weight_grads(b, geo, self.B, lo, hi))
-                     for lo, hi in spans]
-        if len(parts) > 1:
-            why += f"; in {len(parts)} blocks of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
-            self.ctx.counters["norm_blocks"] += len(parts)
-        return _add_all(b, parts), algo, why
+                sq, k = self._conv_sq_by_samples(geo, algo, unfolded + intermediate[algo])
+            unit = "samples"
+        else:
+            units = conv_norms.block_units(geo)
+            k = self._blocks(unfolded + (intermediate["direct"] if algo == "direct" else 0), units)
+            spans = [(None, None)] if k == 1 else _spans(units, k)
+            parts = self._conv_sq_parts(geo, B, algo, spans)
+            if algo == "ghost" and parts is None:
+                algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
+                parts = self._conv_sq_parts(geo, B, algo, spans)
+            sq, unit, k = _add_all(b, parts), "groups" if geo.groups > 1 else "channels", len(parts)
+        if k > 1:
+            why += f"; in {k} blocks of {unit} of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
+            self.ctx.counters["norm_blocks"] += k
+        return sq, algo, why
 
-    def _conv_ghost_parts(self, geo: conv_norms.ConvGeometry, spans: list) -> list[fx.Node] | None:
-        """sum over groups of <E E^T, D D^T> per sample, as parts per block of units (spans) and of Gram rows;
-        None when unfold(D)'s positions are not E's. D D^T adds over D's channel blocks, so a block's part is
-        <E E^T, D_blk D_blk^T> (whole groups: its groups' terms)."""
+    def _conv_sq_by_samples(self, geo: conv_norms.ConvGeometry, algo: str, per_sample: int) -> tuple[Any, int]:
+        """([B] squared norms, blocks) in blocks of samples of at most the block size (static B); (None, k) when
+        the ghost form's unfold(D) does not line up with E's positions."""
         b, B = self.b, self.B
+        k = self._blocks(per_sample, B) if B else 1
+        blocks = [(geo, B)] if k == 1 else \
+            [(conv_norms.sample_block(b, geo, lo, hi), hi - lo) for lo, hi in _spans(B, k)]
+        parts = [self._conv_sq_parts(g, n, algo, [(None, None)], rows=1) for g, n in blocks]
+        if any(p is None for p in parts):
+            return None, k
+        sums = [_add_all(b, p) for p in parts]
+        return (sums[0] if k == 1 else b.call(aten.cat.default, sums, 0)), k
+
+    def _conv_sq_parts(self, geo: conv_norms.ConvGeometry, B: Any, algo: str, spans: list,
+                       rows: int | None = None) -> list[fx.Node] | None:
+        """Per-sample squared norms [B] of the blocks of units in spans (block_operands), which add; the ghost
+        form also in blocks of Gram rows (rows: how many; None: from the block size). None when the ghost
+        form's unfold(D) does not line up with E's positions."""
+        b = self.b
+        if algo == "direct":
+            return [b.sq_sum_per_sample(conv_norms.per_sample_weight_grads(b, geo, B, lo, hi)) for lo, hi in spans]
+        # sum over groups of <E E^T, D D^T>; D D^T adds over D's channel blocks, so a block's part is
+        # <E E^T, D_blk D_blk^T> (whole groups: its groups' terms)
         parts = []
         for lo, hi in spans:
             e, d, g = conv_norms.block_operands(b, geo, lo, hi)
@@ -182,10 +206,10 @@ class NormBuilder:
                 return None
             A, G = factors  # one Gram pair per group
             S = A.meta["val"].shape[1]
-            rows = self._blocks(2 * S * S * 4 * g, S)
-            for rlo, rhi in _spans(S, rows):
-                Ab = A if rows == 1 else b.call(aten.slice.Tensor, A, 1, rlo, rhi)
-                Gb = G if rows == 1 else b.call(aten.slice.Tensor, G, 1, rlo, rhi)
+            k = rows if rows is not None else self._blocks(2 * S * S * 4 * g, S)
+            for rlo, rhi in _spans(S, k):
+                Ab = A if k == 1 else b.call(aten.slice.Tensor, A, 1, rlo, rhi)
+                Gb = G if k == 1 else b.call(aten.slice.Tensor, G, 1, rlo, rhi)
                 prod = b.call(aten.mul.Tensor, bmm_f32(b, Ab, _transpose12(b, A)), bmm_f32(b, Gb, _transpose12(b, G)))
                 parts.append(b.sum_per_sample(b.view(prod, [B, g * prod.meta["val"].shape[1] * S]) if g > 1 else prod))
         return parts

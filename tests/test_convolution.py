@@ -91,15 +91,23 @@ def test_auto_picks_the_cheaper_norm_per_layer_and_says_why():
         assert "ghost ~" in params[name]["why"] and "direct ~" in params[name]["why"]
 
 
-@pytest.mark.parametrize("conv_norm", ["direct", "ghost"])
-def test_large_convolution_norms_are_computed_in_blocks(conv_norm, monkeypatch):
+@pytest.mark.parametrize("conv_norm,batch", [("direct", "static"), ("ghost", "static"), ("direct", "unbacked"),
+                                              ("ghost", "unbacked")])
+def test_large_convolution_norms_are_computed_in_blocks(conv_norm, batch, monkeypatch):
+    """Blocks of samples with a static batch size; with an unbacked one (dpcompile.mark_batch: sharded steps,
+    Poisson sampling), blocks of the unfolded operand's channels (and of Gram rows)."""
+    import dpcompile
+
     monkeypatch.setattr(per_sample_norms, "NORM_BLOCK_BYTES", 256)
-    model = TwoConvs(2, False, 7, groups=2)
-    backend = check_against_reference(model, M.mse, (torch.randn(5, 4, 7, 7),), (torch.randn(5, 3),),
-                                      schedule="bk", compiler="eager", conv_norm=conv_norm)
+    model = TwoConvs(2, False, 7, groups=2 if batch == "static" else 1)
+    x, y = torch.randn(5, 4, 7, 7), torch.randn(5, 3)
+    if batch == "unbacked":
+        dpcompile.mark_batch(x, y)
+    backend = check_against_reference(model, M.mse, (x,), (y,), schedule="bk", compiler="eager", conv_norm=conv_norm)
     (rec,) = [r for r in backend.compiled if r.dp]
     assert rec.counters["norm_blocks"] >= 4
-    assert "blocks" in rec.summary["params"]["c1.weight"]["why"] or conv_norm == "ghost"
+    unit = "samples" if batch == "static" else "channels"
+    assert f"blocks of {unit}" in rec.summary["params"]["c1.weight"]["why"], rec.summary["params"]["c1.weight"]
 
 
 def test_a_convolution_over_the_sample_dim_is_refused():

@@ -31,6 +31,17 @@ _GENERIC_ADVICE = (
     "raises at the first), or move the code that breaks out of the step"
 )
 
+# Ops whose checks of the batch size against 0 (in C++ or meta code) an unbacked batch size (dpcompile.mark_batch,
+# Poisson sampling, sharded steps) cannot answer: dynamo breaks the graph there. Matched on the break's stack.
+_UNBACKED_BATCH_ADVICE = {
+    "instance_norm": "nn.InstanceNorm checks the batch size against 0, which a batch size unknown at compile time "
+                     "(dpcompile.mark_batch, Poisson sampling, sharded steps) cannot answer: use nn.GroupNorm(C, C) "
+                     "instead (the same function: statistics per sample and channel, a per-channel affine)",
+    "reflection_pad": "torch < 2.13's reflection padding checks the batch size against 0, which a batch size "
+                      "unknown at compile time (dpcompile.mark_batch, Poisson sampling, sharded steps) cannot "
+                      "answer: use torch >= 2.13, or another padding mode",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Split:
@@ -61,7 +72,11 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
                 f"was split at a graph break before the call")
     if what is None:
         return None
-    return Split(what, _FSDP2_ADVICE if fsdp2 else _GENERIC_ADVICE)
+    if fsdp2:
+        return Split(what, _FSDP2_ADVICE)
+    text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
+    advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
+    return Split(what, advice or _GENERIC_ADVICE)
 
 
 def split_error_text(split: Split | None, found: str) -> str:

@@ -130,6 +130,22 @@ def test_instance_norm():
     dp_run(model, torch.randn(B, 3, 8, 8), "bk", compiler="eager")
 
 
+def test_instance_norm_with_an_unbacked_batch_is_refused_naming_groupnorm():
+    # torch's instance_norm checks the batch against 0: dynamo breaks the graph, and private_step says what to use
+    model = ConvNet(nn.InstanceNorm2d(6, affine=True))
+
+    @dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=B, compiler="eager")
+    def step(x, y):
+        loss = ce(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    x, y = torch.randn(B, 3, 8, 8), torch.randint(0, CLASSES, (B,))
+    dpcompile.mark_batch(x, y)
+    with pytest.raises(dpcompile.DPCompileError, match=r"(?s)InstanceNorm checks the batch size.*GroupNorm\(C, C\)"):
+        step(x, y)
+
+
 def test_layer_norm_over_channels():
     # the one Inductor run of this file: the smallest graph, so the fewest kernels to build
     model = ConvNet(perturbed(LayerNorm2d(6)))

@@ -17,10 +17,11 @@ and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's |
 - ghost: sum over groups of <E E^T, D D^T> over the sample's positions: [B, S, S] Gram matrices, cost
   ~ S^2 (channels of E + channels of D). Cheaper when positions are few and channels many.
 
-The unfold is exact (slices of the padded operand, or a reshape for non-overlapping patches): no arithmetic,
-so no TF32 rounding of a convolution with an identity kernel. Both forms unfold D; when unfold(D) (or the
-direct form's gradients) would exceed the norm block size at the expected batch size, both run in blocks of
-whole groups or of D's channels, whose squared norms add (block_operands).
+The unfold is exact (one gather from the padded operand, or a reshape for non-overlapping patches): no
+arithmetic, so no TF32 rounding of a convolution with an identity kernel. Both forms unfold D; when unfold(D)
+with the form's fp32 intermediate would exceed the norm block size at the expected batch size, both run in
+blocks whose squared norms add: of samples with a static batch size (sample_block), else of whole groups or
+of D's channels (block_operands).
 """
 from __future__ import annotations
 

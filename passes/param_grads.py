@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.errors import DPCompileError
-from dpcompile.fx_utils import module_of, op_name
+from dpcompile.fx_utils import known, module_of, op_name
 
 from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, has_collective_reductions,
                           is_gradient_reduction,
@@ -44,12 +44,15 @@ def unglue(x: fx.Node) -> fx.Node:
     Before a reduce-scatter, DTensor splits G along dim 0 into one piece per
     rank, zero-pads the short ones and concatenates them: a re-arrangement
     that keeps every entry (norm-preserving). Recognised only in exactly that
-    form: cat([split(G)[0], pad(split(G)[1]), ...]) over all pieces, in order.
+    form: cat([split(G)[0], pad(split(G)[1]), ..., pad(empty), ...]) over all
+    pieces, in order; a rank past the last piece (dim 0 shorter than the
+    ranks: a ViT's [1, 1, D] class token on 2 ranks) gets an empty tensor
+    padded with zeros.
     """
     if x.target is not aten.cat.default or (len(x.args) > 1 and x.args[1] not in (0,)):
         return x
-    split = None
-    for i, piece in enumerate(x.args[0]):
+    split, pieces = None, 0
+    for piece in x.args[0]:
         if piece.target is aten.constant_pad_nd.default:
             pad = list(piece.args[1])
             value = piece.args[2] if len(piece.args) > 2 else 0
@@ -58,7 +61,10 @@ def unglue(x: fx.Node) -> fx.Node:
             if value != 0 or len(pad) != 2 * nd or any(pad[: 2 * nd - 1]) or pad[-1] < 0:
                 return x
             piece = piece.args[0]
-        if piece.target is not operator.getitem or piece.args[1] != i:
+        if known(piece.meta["val"].shape[0] == 0):  # empty: zeros once padded; only after every real piece
+            pieces = None
+            continue
+        if pieces is None or piece.target is not operator.getitem or piece.args[1] != pieces:
             return x
         sp = piece.args[0]
         if sp.target not in (aten.split.Tensor, aten.split_with_sizes.default) or \
@@ -68,9 +74,15 @@ def unglue(x: fx.Node) -> fx.Node:
             split = sp
         elif sp is not split:
             return x
-    if split is None or len(x.args[0]) != len(split.meta["val"]):
+        pieces += 1
+    if split is None or len([p for p in x.args[0] if not _empty_piece(p)]) != len(split.meta["val"]):
         return x
     return split.args[0]
+
+
+def _empty_piece(piece: fx.Node) -> bool:
+    src = piece.args[0] if piece.target is aten.constant_pad_nd.default else piece
+    return known(src.meta["val"].shape[0] == 0)
 
 
 @dataclasses.dataclass

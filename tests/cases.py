@@ -8,6 +8,8 @@ step reduces it over the batch. Third-party models (Hugging Face
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import Callable
 
 import torch
@@ -110,6 +112,27 @@ MODEL_CASES = {
 CASES = {**LAYER_CASES, **MODEL_CASES}
 
 
+def _vision_models():
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import vision_models
+
+    return vision_models
+
+
+# The benchmarks' vision models, narrow (tests/test_vision_models.py checks each on one process). Sharded: the ViT
+# (patch convolution, a [1, 1, D] class token: shorter than the ranks, nn.MultiheadAttention), op by op only
+# (SHARDED_EAGER_ONLY). The WRN passes sharded both ways too (2 gloo ranks, by hand); in CI the layer kinds'
+# conv_kinds stands for it (every convolution form, GroupNorm), for CI time.
+VISION_CASES = {
+    "wrn": Case(lambda: _vision_models().WideResNet(depth=10, widen=1, num_classes=3, groups=2, width=4),
+                lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randint(0, 3, (B,)),)), M.ce),
+    "vit": Case(lambda: _vision_models().ViT(image=8, patch=4, dim=8, depth=1, heads=2, mlp=16, num_classes=3),
+                lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randint(0, 3, (B,)),)), M.ce),
+}
+
+
 class SideBySide(torch.nn.Module):
     """Several cases' models in one: each reads its own inputs (all batched on dim 0)."""
 
@@ -181,7 +204,12 @@ def finite_median(norms: torch.Tensor) -> float:
 
 # what the sharded tests run: the small layer kinds side by side (one compile), then every model
 SHARDED_CASES = {"layer_kinds": side_by_side(SMALL_LAYER_CASES),
-                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES}}
+                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES}, "vit": VISION_CASES["vit"]}
+# cases the sharded matrix runs once, op by op (compiler="eager"), and why not through Inductor
+SHARDED_EAGER_ONLY = {
+    "vit": "Inductor (torch 2.13) fails on nn.MultiheadAttention with an unbacked batch size, stock torch.compile "
+           "with mark_unbacked too: 'Guard failed on the same frame it was created' in _dynamic_reshape_indexer",
+}
 
 
 def check_case_invariants(name, counters, summary):

@@ -125,12 +125,8 @@ def _vision_models():
 # (patch convolution, a [1, 1, D] class token: shorter than the ranks, nn.MultiheadAttention), op by op only
 # (SHARDED_EAGER_ONLY). The WRN passes sharded both ways too (2 gloo ranks, by hand); in CI the layer kinds'
 # conv_kinds stands for it (every convolution form, GroupNorm), for CI time.
-VISION_CASES = {
-    "wrn": Case(lambda: _vision_models().WideResNet(depth=10, widen=1, num_classes=3, groups=2, width=4),
-                lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randint(0, 3, (B,)),)), M.ce),
-    "vit": Case(lambda: _vision_models().ViT(image=8, patch=4, dim=8, depth=1, heads=2, mlp=16, num_classes=3),
-                lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randint(0, 3, (B,)),)), M.ce),
-}
+VIT = Case(lambda: _vision_models().ViT(image=8, patch=4, dim=8, depth=1, heads=2, mlp=16, num_classes=3),
+           lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randint(0, 3, (B,)),)), M.ce)
 
 
 class SideBySide(torch.nn.Module):
@@ -204,7 +200,7 @@ def finite_median(norms: torch.Tensor) -> float:
 
 # what the sharded tests run: the small layer kinds side by side (one compile), then every model
 SHARDED_CASES = {"layer_kinds": side_by_side(SMALL_LAYER_CASES),
-                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES}, "vit": VISION_CASES["vit"]}
+                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES}, "vit": VIT}
 # cases the sharded matrix runs once, op by op (compiler="eager"), and why not through Inductor
 SHARDED_EAGER_ONLY = {
     "vit": "Inductor (torch 2.13) fails on nn.MultiheadAttention with an unbacked batch size, stock torch.compile "

@@ -217,6 +217,11 @@ class GraphBuilder:
     def reshape(self, x: fx.Node, shape) -> fx.Node:
         return self.call(aten.reshape.default, x, list(shape))
 
+    def arange(self, n: Any, device: torch.device) -> fx.Node:
+        """int64 [0, n) (prims.iota: the graph is past the decompositions that lower aten.arange)."""
+        return self.call(torch.ops.prims.iota.default, n, start=0, step=1, dtype=torch.int64, device=device,
+                         requires_grad=False)
+
     def permute(self, x: fx.Node, dims) -> fx.Node:
         dims = list(dims)
         if dims == list(range(len(dims))):

@@ -233,8 +233,8 @@ def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: lis
     device = x.meta["val"].device
     indices = [None, None]
     for i in range(nd):
-        k_i = b.call(aten.mul.Tensor, _iota(b, kernel[i], device), dilation[i])
-        l_i = b.call(aten.mul.Tensor, _iota(b, L[i], device), stride[i])
+        k_i = b.call(aten.mul.Tensor, b.arange(kernel[i], device), dilation[i])
+        l_i = b.call(aten.mul.Tensor, b.arange(L[i], device), stride[i])
         idx = b.call(aten.add.Tensor, b.view(k_i, [kernel[i], 1]), b.view(l_i, [1, L[i]]))
         shape_i = [1] * (2 * nd)
         shape_i[i], shape_i[nd + i] = kernel[i], L[i]
@@ -242,7 +242,3 @@ def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: lis
     windows = b.call(aten.index.Tensor, x, indices)  # [N, C, *kernel, *L]
     return b.reshape(windows, [N, C * math.prod(kernel)] + L)
 
-
-def _iota(b: GraphBuilder, n: Any, device: torch.device) -> fx.Node:
-    return b.call(torch.ops.prims.iota.default, n, start=0, step=1, dtype=torch.int64, device=device,
-                  requires_grad=False)

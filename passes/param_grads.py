@@ -51,7 +51,7 @@ def unglue(x: fx.Node) -> fx.Node:
     """
     if x.target is not aten.cat.default or (len(x.args) > 1 and x.args[1] not in (0,)):
         return x
-    split, pieces = None, 0
+    split, pieces, past_last = None, 0, False
     for piece in x.args[0]:
         if piece.target is aten.constant_pad_nd.default:
             pad = list(piece.args[1])
@@ -62,9 +62,9 @@ def unglue(x: fx.Node) -> fx.Node:
                 return x
             piece = piece.args[0]
         if known(piece.meta["val"].shape[0] == 0):  # empty: zeros once padded; only after every real piece
-            pieces = None
+            past_last = True
             continue
-        if pieces is None or piece.target is not operator.getitem or piece.args[1] != pieces:
+        if past_last or piece.target is not operator.getitem or piece.args[1] != pieces:
             return x
         sp = piece.args[0]
         if sp.target not in (aten.split.Tensor, aten.split_with_sizes.default) or \
@@ -75,14 +75,9 @@ def unglue(x: fx.Node) -> fx.Node:
         elif sp is not split:
             return x
         pieces += 1
-    if split is None or len([p for p in x.args[0] if not _empty_piece(p)]) != len(split.meta["val"]):
+    if split is None or pieces != len(split.meta["val"]):
         return x
     return split.args[0]
-
-
-def _empty_piece(piece: fx.Node) -> bool:
-    src = piece.args[0] if piece.target is aten.constant_pad_nd.default else piece
-    return known(src.meta["val"].shape[0] == 0)
 
 
 @dataclasses.dataclass

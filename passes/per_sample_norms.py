@@ -155,21 +155,20 @@ class NormBuilder:
         S = geo.positions()
         unfolded = S * geo.weight_shape[1] * geo.groups * geo.K * geo.d.meta["val"].element_size()
         intermediate = {"direct": math.prod(geo.weight_shape) * 4, "ghost": 2 * S * S * 4 * geo.groups}
-        if isinstance(B, int) and conv_norms.samples_outermost(geo):
-            sq, k = self._conv_sq_by_samples(geo, algo, unfolded + intermediate[algo])
-            if sq is None:
-                algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
-                sq, k = self._conv_sq_by_samples(geo, algo, unfolded + intermediate[algo])
-            unit = "samples"
-        else:
-            units = conv_norms.block_units(geo)
-            k = self._blocks(unfolded + (intermediate["direct"] if algo == "direct" else 0), units)
-            spans = [(None, None)] if k == 1 else _spans(units, k)
-            parts = self._conv_sq_parts(geo, B, algo, spans)
-            if algo == "ghost" and parts is None:
-                algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
-                parts = self._conv_sq_parts(geo, B, algo, spans)
-            sq, unit, k = _add_all(b, parts), "groups" if geo.groups > 1 else "channels", len(parts)
+        by_samples = isinstance(B, int) and conv_norms.samples_outermost(geo)
+        unit = "samples" if by_samples else "groups" if geo.groups > 1 else "channels"
+        for form in (algo, "direct"):
+            if by_samples:
+                sq, k = self._conv_sq_by_samples(geo, form, unfolded + intermediate[form])
+            else:
+                units = conv_norms.block_units(geo)
+                k = self._blocks(unfolded + (intermediate["direct"] if form == "direct" else 0), units)
+                parts = self._conv_sq_parts(geo, B, form, [(None, None)] if k == 1 else _spans(units, k))
+                sq, k = (None, k) if parts is None else (_add_all(b, parts), len(parts))
+            if sq is not None:
+                break
+            # the ghost form only: its unfold(D) does not line up with E's positions
+            algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
         if k > 1:
             why += f"; in {k} blocks of {unit} of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
             self.ctx.counters["norm_blocks"] += k
@@ -274,9 +273,7 @@ class NormBuilder:
         I = b.call(aten.squeeze.dim, I, -1)
         I = b.call(aten.clamp_max.default, b.call(aten.clamp_min.default, I, 0), num - 1)  # masked rows carry zeros; keep their ids in range
         S = I.meta["val"].shape[1]
-        bidx = b.call(aten.expand.default, b.view(b.call(prims.iota.default, self.B, start=0, step=1,
-                                                          dtype=torch.int64, device=I.meta["val"].device,
-                                                          requires_grad=False), [self.B, 1]), [self.B, S])
+        bidx = b.call(aten.expand.default, b.view(b.arange(self.B, I.meta["val"].device), [self.B, 1]), [self.B, S])
         zeros = b.call(aten.full.default, [self.B, num, D], 0.0, dtype=torch.float32, device=V.meta["val"].device)
         return b.call(aten.index_put.default, zeros, [bidx, I], b.f32(V), True)
 
@@ -369,8 +366,7 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
             zero = b.call(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype)
             x = b.call(aten.where.self, node.args[1], x, zero)
         ni = max(i.meta["val"].dim() for i in indices)
-        bidx = b.view(b.call(prims.iota.default, nb.B, start=0, step=1, dtype=torch.int64,
-                             device=x.meta["val"].device, requires_grad=False), [nb.B] + [1] * ni)
+        bidx = b.view(b.arange(nb.B, x.meta["val"].device), [nb.B] + [1] * ni)
         idx = []
         for i in indices:
             if i is None:

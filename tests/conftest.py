@@ -25,3 +25,25 @@ def fresh_dynamo():
 def pytest_configure(config):
     # known to pytest-xdist (--dist loadgroup); registered so a run without xdist does not warn
     config.addinivalue_line("markers", "xdist_group(name): tests run on one xdist worker")
+
+
+
+_UNGROUPED = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with --dist loadgroup, a test with an xdist_group mark must carry its group in its id
+    (the scheduler keeps a group on one worker by it). When it does not (pytest 9.2 with xdist 3.8), the
+    groups are split across workers and each worker recomputes the sharded matrix's shared results: CI time
+    doubles and concurrent identical compiles race on the compile cache. Those tests fail at setup instead
+    (an error raised here would be lost in xdist's internal error)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False):
+        _UNGROUPED.extend(item for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid)
+
+
+def pytest_runtest_setup(item):
+    if item in _UNGROUPED:
+        pytest.fail(f"pytest-xdist's --dist loadgroup did not tag this test with its xdist_group: this pytest "
+                    f"({pytest.__version__}) and pytest-xdist do not work together; install the test extra's "
+                    f"versions (pip install -e '.[test]') or run with -n 0", pytrace=False)

@@ -7,7 +7,7 @@ narrow copy of the very structure the benchmarks time.
 
     WideResNet      WRN-d-k for CIFAR (Zagoruyko & Komodakis 2016), pre-activation blocks, GroupNorm
     ResNet18GN      torchvision's ResNet-18 layout (ImageNet stem) with GroupNorm
-    ViT             ViT with nn.MultiheadAttention (ViT-small by default)
+    ViT             ViT with nn.MultiheadAttention, or timm's qkv attention (ViT-small by default)
     AudioFrontEnd   wav2vec2's convolutional feature encoder over a raw waveform, then a classifier
 """
 from __future__ import annotations
@@ -113,34 +113,57 @@ class ResNet18GN(nn.Module):
 
 # ----------------------------------------------------------------------------- ViT
 
-class ViTBlock(nn.Module):
-    """Pre-norm transformer block: x + attn(LN(x)), x + MLP(LN(x))."""
+class QKVAttention(nn.Module):
+    """timm's ViT attention: one qkv Linear, scaled_dot_product_attention over the heads, an output Linear."""
 
-    def __init__(self, dim: int, heads: int, mlp: int):
+    def __init__(self, dim: int, heads: int):
         super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D))
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(LN(x)), x + MLP(LN(x)). attention="mha": nn.MultiheadAttention;
+    "qkv": timm's (QKVAttention)."""
+
+    def __init__(self, dim: int, heads: int, mlp: int, attention: str = "mha"):
+        super().__init__()
+        if attention not in ("mha", "qkv"):
+            raise ValueError(f"attention={attention!r}: 'mha' (nn.MultiheadAttention) or 'qkv' (timm's)")
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True) if attention == "mha" else \
+            QKVAttention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
 
     def forward(self, x):
         h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]  # need_weights=False: the fused (SDPA) attention
+        if isinstance(self.attn, nn.MultiheadAttention):
+            h = self.attn(h, h, h, need_weights=False)[0]  # need_weights=False: the fused (SDPA) attention
+        else:
+            h = self.attn(h)
+        x = x + h
         return x + self.mlp(self.norm2(x))
 
 
 class ViT(nn.Module):
     """Patches by a strided conv, a class token, learned position embeddings, pre-norm blocks, a final LayerNorm
-    and a linear head on the class token. The defaults are ViT-small/16 at 224x224."""
+    and a linear head on the class token. The defaults are ViT-small/16 at 224x224; attention: ViTBlock's."""
 
     def __init__(self, image: int = 224, patch: int = 16, dim: int = 384, depth: int = 12, heads: int = 6,
-                 mlp: int = 1536, num_classes: int = 1000, in_ch: int = 3):
+                 mlp: int = 1536, num_classes: int = 1000, in_ch: int = 3, attention: str = "mha"):
         super().__init__()
         self.patch_embed = nn.Conv2d(in_ch, dim, patch, patch)
         tokens = (image // patch) ** 2 + 1
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(0.02 * torch.randn(1, tokens, dim))
-        self.blocks = nn.Sequential(*(ViTBlock(dim, heads, mlp) for _ in range(depth)))
+        self.blocks = nn.Sequential(*(ViTBlock(dim, heads, mlp, attention) for _ in range(depth)))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 

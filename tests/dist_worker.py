@@ -142,12 +142,15 @@ def hybrid(rank, world, init_file, out_dir):
 SHARDED_STEPS = ((0, 3), (1, 4), (5, 3), (0, 0))
 
 
-def shard_like_a_user(model, mesh, **kwargs):
-    """fully_shard every item of every nn.ModuleList (the blocks of a transformer), then the root."""
+def shard_like_a_user(model, mesh, blocks=(), **kwargs):
+    """fully_shard every item of every nn.ModuleList (the blocks of a transformer) and every module whose class
+    is named in blocks (a vision model's blocks, in an nn.Sequential), then the root."""
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for block in module:
                 dpcompile.fully_shard(block, mesh=mesh, **kwargs)
+        elif type(module).__name__ in blocks:
+            dpcompile.fully_shard(module, mesh=mesh, **kwargs)
     dpcompile.fully_shard(model, mesh=mesh, **kwargs)
     return model
 
@@ -497,8 +500,37 @@ def _hf_gpt2_small():
     return GPT2LMHeadModel(cfg), lambda out, y: M.seq_ce(out.logits, y), cfg.vocab_size
 
 
-NCCL_CASES = {"gpt": lambda: make("gpt"), "llama": lambda: make("llama"), "anchor_gpt": _anchor_gpt,
-              "hf_gpt2": _hf_gpt2_small}
+def _tokens(vocab, T):
+    return lambda n, gen: (torch.randint(0, vocab, (n, T), generator=gen),) * 2  # next-token targets: the input
+
+
+def _text(build, T):
+    def case():
+        model, loss_fn, vocab = build()
+        return model, loss_fn, _tokens(vocab, T)
+    return case
+
+
+def _vision(name, image, classes=10):
+    """The benchmarks' vision models: WRN-16-4 at CIFAR's shape, a narrow ViT with timm's qkv attention
+    (nn.MultiheadAttention fails in Inductor with an unbacked batch: cases.SHARDED_EAGER_ONLY)."""
+    def case():
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+        import vision_models as V
+
+        model = V.WideResNet(16, 4, num_classes=classes) if name == "wrn" else \
+            V.ViT(image=image, patch=8, dim=64, depth=2, heads=4, mlp=128, num_classes=classes, attention="qkv")
+        return model, M.ce, lambda n, gen: (torch.randn(n, 3, image, image, generator=gen),
+                                            torch.randint(0, classes, (n,), generator=gen))
+    return case
+
+
+# every case: () -> (model, per-sample loss, data(n, generator) -> (inputs, targets))
+NCCL_CASES = {"gpt": _text(lambda: make("gpt"), 6), "llama": _text(lambda: make("llama"), 6),
+              "anchor_gpt": _text(_anchor_gpt, 32), "hf_gpt2": _text(_hf_gpt2_small, 32),
+              "wrn": _vision("wrn", 32), "vit_qkv": _vision("vit", 32)}
 
 
 def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
@@ -516,18 +548,17 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
     for schedule in ("bk", "ghost"):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model, loss_fn, vocab = build()
+        model, loss_fn, data = build()
         model = model.cuda()
         sizes = {2: [3, 1], 4: [3, 2, 0, 1]}[world]  # an empty rank and a one-sample rank
         ebs = sum(sizes) + 1
-        T = 6 if case in ("gpt", "llama") else 32
-        ids = torch.randint(0, vocab, (sum(sizes), T), generator=torch.Generator().manual_seed(1)).cuda()
-        _, norms = dp_reference(model, loss_fn, (ids,), (ids,), max_grad_norm=1.0, expected_batch_size=ebs)
+        x, y = (t.cuda() for t in data(sum(sizes), torch.Generator().manual_seed(1)))
+        _, norms = dp_reference(model, loss_fn, (x,), (y,), max_grad_norm=1.0, expected_batch_size=ebs)
         C = float(norms.median())
-        ref, _ = dp_reference(model, loss_fn, (ids,), (ids,), max_grad_norm=C, expected_batch_size=ebs)
+        ref, _ = dp_reference(model, loss_fn, (x,), (y,), max_grad_norm=C, expected_batch_size=ebs)
         ref = {k: v.cpu() for k, v in ref.items()}
         mp = dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        shard_like_a_user(model, mesh, mp_policy=mp)
+        shard_like_a_user(model, mesh, blocks=("WideBlock", "ViTBlock"), mp_policy=mp)
         options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs, schedule=schedule)
 
         def step(x, y):
@@ -535,8 +566,8 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
             loss.backward()
             return loss.detach()
 
-        local = ids[sum(sizes[:rank]): sum(sizes[: rank + 1])]
-        torch.compile(step, backend="dp_fsdp", options=options)(local, local)
+        rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        torch.compile(step, backend="dp_fsdp", options=options)(x[rows], y[rows])
         worst = 0.0
         for name, p in model.named_parameters():
             full = p.grad.full_tensor().double().cpu()

@@ -77,9 +77,10 @@ def test_resnet18_groupnorm():
     assert rec.counters["norm_conv_direct"] and rec.counters["norm_conv_ghost"], dict(rec.counters)
 
 
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_vit(schedule):
-    model = vm.ViT(image=16, patch=4, dim=16, depth=2, heads=2, mlp=32, num_classes=CLASSES)
+@pytest.mark.parametrize("schedule,attention", [("bk", "mha"), ("ghost", "qkv")])
+def test_vit(schedule, attention):
+    # attention: nn.MultiheadAttention, or timm's qkv Linear and SDPA (the NCCL test's ViT)
+    model = vm.ViT(image=16, patch=4, dim=16, depth=2, heads=2, mlp=32, num_classes=CLASSES, attention=attention)
     dp_run(model, torch.randn(B, 3, 16, 16), schedule, compiler="eager")
 
 

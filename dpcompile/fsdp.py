@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -35,11 +36,38 @@ from dpcompile.compat import dtensor_takes_unbacked_batch
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """param_dtype: compute dtype of the gathered parameters (None: as stored);
-    reduce_dtype: dtype of the gradient reduce-scatter (None: as stored, fp32)."""
+    """As FSDP2's: param_dtype: compute dtype of the gathered parameters (None: as stored);
+    reduce_dtype: dtype of the gradient reduce-scatter (None: as stored, fp32); output_dtype: the
+    floating-point outputs of each sharded module's forward are cast to it (None: no cast);
+    cast_forward_inputs: the floating-point tensors a sharded module's forward receives are cast to
+    param_dtype first (images in fp32 into a bf16 convolution)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = torch.float32
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
+                raise ValueError(f"MixedPrecisionPolicy({name}={v!r}): a floating-point torch.dtype or None")
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _cast_inputs_hook(dtype: torch.dtype):
+    def hook(module, args, kwargs):
+        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+    return hook
+
+
+def _cast_output_hook(dtype: torch.dtype):
+    def hook(module, args, output):
+        return _cast_floats(output, dtype)
+    return hook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +187,7 @@ def fully_shard(
     reshard_after_forward=True frees the gathered parameters after the
     forward and gathers again in the backward (ZeRO-3); False keeps them
     (ZeRO-2). A 2-D mesh shards within dim 1 and replicates across dim 0.
+    mp_policy: as FSDP2's, the casts of inputs and outputs included (MixedPrecisionPolicy).
     On a model parallelized over ``mesh["tp"]`` (torch's parallelize_module),
     pass ``mesh=mesh["dp"]`` of the same device mesh: the tensor-parallel
     parameters become 2-D DTensors on (dp, tp) (the module docstring).
@@ -201,6 +230,12 @@ def fully_shard(
         sub.__class__ = _sharded_class(base, tuple(dict.fromkeys(already + names)))
         sub._dpcompile_mp = mp
         sub._dpcompile_tp = layouts
+    if not getattr(module, "_dpcompile_mp_hooks", False):  # FSDP2's module-level casts, once per module
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            module.register_forward_pre_hook(_cast_inputs_hook(mp.param_dtype), with_kwargs=True)
+        if mp.output_dtype is not None:
+            module.register_forward_hook(_cast_output_hook(mp.output_dtype))
+        module._dpcompile_mp_hooks = True
     module._dpcompile_mesh = mesh
     return module
 

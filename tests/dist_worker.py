@@ -765,3 +765,44 @@ def restart(rank, world, init_file, out_dir, layout, schedule, run):
                    "streams": [r.noise_index_ranks for r in rec],
                    "grads": {n: local(p.grad).flatten().tolist() for n, p in model.named_parameters()}}, f)
     dist.destroy_process_group()
+
+
+def mixed_precision_casts(rank, world, init_file, out_dir):
+    """tests/test_fsdp.py: MixedPrecisionPolicy casts a sharded module's floating inputs to param_dtype and its
+    outputs to output_dtype, as FSDP2's does; the DP step of such a model runs with fp32 images."""
+    import json
+
+    mesh = _init(rank, world, init_file)
+    seen = {}
+
+    def conv_model(mp):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.GroupNorm(2, 4), torch.nn.Flatten(),
+                                    torch.nn.Linear(4 * 6 * 6, 3))
+        model[0].register_forward_pre_hook(lambda m, a: seen.__setitem__("conv_input", str(a[0].dtype)))
+        dpcompile.fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
+    report = {}
+    model = conv_model(dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    report["output"] = str(model(x).dtype)
+    report["conv_input"] = seen["conv_input"]
+    try:
+        conv_model(dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False))(x)
+        report["uncast"] = "no error"
+    except RuntimeError as e:
+        report["uncast"] = str(e)
+
+    @dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
+    def step(x, y):
+        loss = M.ce(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    step(x, y)
+    report["grads"] = {n: [str(p.grad.dtype), bool(p.grad.to_local().abs().sum() > 0)]
+                       for n, p in model.named_parameters()}
+    with open(os.path.join(out_dir, f"mp{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()

@@ -182,6 +182,15 @@ def test_batch_dpcompile_cannot_see_is_refused_on_every_rank(tmp_path):
         assert "one graph for every batch size" in rep["error"] and "mark_batch" in rep["error"], rep
 
 
+def test_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(tmp_path):
+    # one rank: the casts are per module, not per collective; bf16 numerics on GPUs: the NCCL test
+    spawn(dist_worker.mixed_precision_casts, str(tmp_path), world=1)
+    (rep,) = _read(tmp_path, world=1, prefix="mp")
+    assert rep["conv_input"] == "torch.bfloat16" and rep["output"] == "torch.float32", rep
+    assert "same" in rep["uncast"] and "BFloat16" in rep["uncast"], rep  # fp32 images into a bf16 conv
+    assert all(dtype == "torch.float32" and nonzero for dtype, nonzero in rep["grads"].values()), rep
+
+
 def test_noise_on_shards_two_ranks(tmp_path):
     spawn(dist_worker.noise, str(tmp_path), 123)
     z0 = torch.load(os.path.join(tmp_path, "noise0.pt"))

@@ -628,9 +628,11 @@ class DPBackend:
         if key is not None:
             record.cache = "miss" if part.called else "hit"
             found = part.called or load_record(key, record)
-            if not found and tp is not None:
-                # a hit whose record is gone (its process died before writing it): a tensor-parallel step's
-                # noise streams are in the record, so it compiles again, without the cache, and writes it
+            if not found:
+                # a hit whose record is gone (its process died before writing it, or another checkout's traced
+                # source filled the cache): the step compiles again, without the cache, and writes it. A
+                # tensor-parallel step's noise streams are in the record; every step's summary, counters and
+                # graphs are what users and dumps read.
                 compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, False, inner,
                                             unbacked)
                 record.cache = "miss"
@@ -640,8 +642,7 @@ class DPBackend:
                 self.noise.index_ranks = dict(record.noise_index_ranks)
                 record.summary = {**record.summary, "compile_id": compile_id, "cache": (
                     "AOTAutograd cache hit: no pass ran; graphs, counters and summary are those of the compile "
-                    "that filled the cache" if found else
-                    "AOTAutograd cache hit; the record of the compile that filled the cache was not found")}
+                    "that filled the cache")}
         n_seeds = len(inputs)
         own_grads = GradsOutOfGraphMemory([gi.index for gi in inputs if gi.kind == "param"], counter) \
             if self.config.cudagraphs else None

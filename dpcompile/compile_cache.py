@@ -137,6 +137,9 @@ def _tracing() -> bool:
         return True
 
 
+_COMMENT = re.compile(r"^\s*#.*\n", re.MULTILINE)
+
+
 def record_key(partitioner_uuid: str, gm: torch.fx.GraphModule, example_inputs) -> str | None:
     """Names the record of one compile by what the AOTAutograd cache keys it by: the partitioner key, the
     Dynamo graph with its inputs' symbolic shapes, strides and devices (an unbacked batch and a fixed one
@@ -150,7 +153,9 @@ def record_key(partitioner_uuid: str, gm: torch.fx.GraphModule, example_inputs) 
         else:
             metas.append(repr(x))
     try:
-        graph = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+        # without its comments: they hold the source paths of the traced code (another virtualenv, another
+        # checkout), which the AOTAutograd cache's key leaves out; a hit must find its record
+        graph = _COMMENT.sub("", gm.print_readable(print_output=False, include_stride=True, include_device=True))
         configs = _canonical((torch._inductor.config.save_config_portable(),
                               torch._functorch.config.save_config_portable()))
     except Exception:  # noqa: BLE001

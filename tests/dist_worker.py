@@ -533,10 +533,24 @@ NCCL_CASES = {"gpt": _text(lambda: make("gpt"), 6), "llama": _text(lambda: make(
               "wrn": _vision("wrn", 32), "vit_qkv": _vision("vit", 32)}
 
 
+def _bf16_gradient_error(model, loss_fn, x, y, ebs):
+    """The worst relative error of the model's non-private gradient computed in bf16 (a bf16 copy, the mean
+    loss over ebs) against fp64, on one GPU: how far bf16 alone takes this model's gradients."""
+    exact, _ = dp_reference(model, loss_fn, (x,), (y,), max_grad_norm=float("inf"), expected_batch_size=ebs)
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    (loss_fn(low(x.bfloat16() if x.is_floating_point() else x), y).sum() / ebs).backward()
+    return max(((p.grad.double() - exact[n].double()).abs().max() / (exact[n].abs().max() + 1e-12)).item()
+               for n, p in low.named_parameters())
+
+
 def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
     """2 or 4 GPUs, NCCL, bf16 compute with fp32 parameters and reduction, against the fp64 reference.
 
-    Plain torch.compile with backend="dp_fsdp", nothing else; the oracle runs in fp64 on the GPU.
+    Plain torch.compile with backend="dp_fsdp", nothing else; the oracle runs in fp64 on the GPU. The bound on
+    a gradient's error (its largest entry's, relative to the reference's largest): 0.05, or 1.5x the worst
+    error of the same model's non-private gradient computed in bf16 (clipping off, against fp64 clipping
+    off) where bf16 alone is further off than that. A 16-layer conv net's bf16 gradient is 0.16-0.21 off
+    fp64 before any DP (WRN-16-4, H100); the DP path must not add to that.
     """
     import json
 
@@ -557,6 +571,8 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
         C = float(norms.median())
         ref, _ = dp_reference(model, loss_fn, (x,), (y,), max_grad_norm=C, expected_batch_size=ebs)
         ref = {k: v.cpu() for k, v in ref.items()}
+        if schedule == "bk":  # the same for both schedules
+            bound = max(0.05, 1.5 * _bf16_gradient_error(model, loss_fn, x, y, ebs))
         mp = dpcompile.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard_like_a_user(model, mesh, blocks=("WideBlock", "ViTBlock"), mp_policy=mp)
         options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=ebs, schedule=schedule)
@@ -575,8 +591,8 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
             scale = ref[name].abs().max().item() + 1e-12
             err = (full - ref[name]).abs().max().item() / scale
             worst = max(worst, err)
-            assert err < 0.05, (case, schedule, name, err)
-        results[f"{case}-{schedule}"] = worst
+            assert err < bound, (case, schedule, name, err, bound)
+        results[f"{case}-{schedule}"] = worst / bound
         del model, ref
         torch.cuda.empty_cache()
     if rank == 0:

@@ -42,6 +42,18 @@ def test_a_restart_hits_the_aot_autograd_cache_and_other_options_or_settings_mis
         for n in first:
             torch.testing.assert_close(again[n], first[n], rtol=0, atol=0)
 
+        # an entry without its record (its process died before writing it) compiles again and writes it: a
+        # hit never leaves a step without its summary, counters and graphs
+        import shutil
+
+        shutil.rmtree(compile_cache._records_dir())
+        lost, rec_lost = _fresh_compile(model, x, y, C=0.05)
+        assert rec_lost.cache == "miss" and rec_lost.counters == rec1.counters, rec_lost.summary.get("cache")
+        assert rec_lost.summary["batch_size"] == rec1.summary["batch_size"]
+        assert _fresh_compile(model, x, y, C=0.05)[1].cache == "hit"
+        for n in first:
+            torch.testing.assert_close(lost[n], first[n], rtol=0, atol=0)
+
         # C is baked into the backward: another C compiles anew and clips with it
         other, rec3 = _fresh_compile(model, x, y, C=0.025)  # every sample clipped: half the gradient
         assert rec3.cache == "miss"
@@ -58,6 +70,20 @@ def test_a_restart_hits_the_aot_autograd_cache_and_other_options_or_settings_mis
         # graph dumps need the passes to run: that compile skips the cache
         _, rec6 = _fresh_compile(model, x, y, C=0.05, dump_dir=str(tmp_path))
         assert rec6.cache == "" and rec6.counters["clip_coefficients"] == 1 and rec6.dump_files
+
+
+def test_the_record_key_leaves_out_the_traced_source_paths():
+    # the AOTAutograd cache's key does: a checkout or virtualenv elsewhere hits the entry and must find its record
+    gm = torch.fx.symbolic_trace(M.MLP())
+    x = [torch.randn(4, 5)]
+    key = compile_cache.record_key("uuid", gm, x)
+    for node in gm.graph.nodes:
+        node.stack_trace = ('  File "/elsewhere/site-packages/torch/nn/modules/linear.py", line 134, in forward\n'
+                            '    return F.linear(input, self.weight, self.bias)\n')
+    gm.recompile()
+    assert "/elsewhere/" in gm.print_readable(print_output=False)
+    assert compile_cache.record_key("uuid", gm, x) == key
+    assert compile_cache.record_key("other", gm, x) != key
 
 
 def test_the_key_holds_every_dp_option_and_module_setting(monkeypatch):

@@ -242,7 +242,7 @@ def test_gpus_nccl_bf16_against_fp64_reference(world, case, tmp_path):
     spawn(dist_worker.correctness_nccl_bf16, str(tmp_path), case, world=world, timeout=900)
     worst = json.load(open(os.path.join(tmp_path, f"nccl_bf16_{world}_{case}.json")))
     assert set(worst) == {f"{case}-{s}" for s in ("bk", "ghost")}
-    assert max(worst.values()) < 0.05, worst
+    assert max(worst.values()) < 1, worst  # each: the worst error over its bound (correctness_nccl_bf16)
 
 
 def test_hybrid_sharding_2x2_mesh(tmp_path):

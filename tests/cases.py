@@ -91,6 +91,9 @@ SMALL_LAYER_CASES = {
     # every convolution form, GroupNorm, InstanceNorm, LayerNorm over channels (tests/test_convolution.py
     # has each form alone, with both per-sample norm forms)
     "conv_kinds": Case(lambda: M.ConvNet(), lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randn(B, 3),)), M.mse),
+    # squeeze-excitation, ConvNeXt, U-Net, MLP-Mixer and gated-conv blocks
+    "vision_blocks": Case(lambda: M.VisionBlocks(), lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randn(B, 3),)),
+                          M.mse),
 }
 LAYER_CASES = {
     **SMALL_LAYER_CASES,

@@ -339,6 +339,41 @@ def titan_tp_plan(model: "TitanLM", sequence_parallel: bool):
     return pairs
 
 
+class VisionBlocks(nn.Module):
+    """Blocks of other vision architectures in one small net: squeeze-excitation (EfficientNet: global pool,
+    1x1 convs, a sigmoid gate on the map), a ConvNeXt block (7x7 depthwise, channel-last LayerNorm and
+    Linear MLP, a layer-scale vector), a U-Net skip (strided conv down, transposed conv up, concatenated with
+    the skip, plus a bilinear upsample), MLP-Mixer token mixing (a Linear over the positions) and a gated
+    Conv1d (GLU over channels) pooled by adaptive max pooling."""
+
+    def __init__(self, c_in=3, d_out=3, c=4):
+        super().__init__()
+        self.stem = nn.Conv2d(c_in, c, 3, padding=1)
+        self.se_down, self.se_up = nn.Conv2d(c, 2, 1), nn.Conv2d(2, c, 1)
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.ln = nn.LayerNorm(c)
+        self.mlp1, self.mlp2 = nn.Linear(c, 2 * c), nn.Linear(2 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+        self.down = nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(c, c, 2, stride=2)
+        self.fuse = nn.Conv2d(2 * c, c, 1)
+        self.tokens = nn.Linear(16, 16)  # over the 4x4 positions of the pooled map
+        self.gated = nn.Conv1d(c, 2 * c, 3, padding=1)
+        self.head = nn.Linear(c, d_out)
+
+    def forward(self, x):
+        h = F.silu(self.stem(x))  # [B, c, 8, 8]
+        h = h * torch.sigmoid(self.se_up(F.silu(self.se_down(F.adaptive_avg_pool2d(h, 1)))))
+        y = self.ln(self.dw(h).permute(0, 2, 3, 1))
+        h = h + (self.mlp2(F.gelu(self.mlp1(y))) * self.gamma).permute(0, 3, 1, 2)
+        d = F.relu(self.down(h))  # [B, c, 4, 4]
+        h = self.fuse(torch.cat([self.up(d), h], 1)) + F.interpolate(d, scale_factor=2, mode="bilinear")
+        t = F.avg_pool2d(h, 2).flatten(2)  # [B, c, 16]
+        t = t + self.tokens(t)
+        g = F.glu(self.gated(t), dim=1)  # [B, c, 16]
+        return self.head(F.adaptive_max_pool1d(g, 1).squeeze(-1))
+
+
 class ConvNet(nn.Module):
     """Every convolution form in one small net: strided and padded Conv2d with GroupNorm, depthwise, a
     grouped transposed convolution, a dilated Conv1d over frames ([B*H, C, W] rows: several rows per

@@ -69,7 +69,7 @@ def _reduction(an, node):
 
 
 def _along_dim(an, node):
-    """softmax/cumsum/sort/...: mixes along one dim, which must not be the sample dim."""
+    """softmax/cumsum/sort/glu/...: mixes along one dim, which must not be the sample dim."""
     x = node.args[0]
     s = an.st(x)
     for a, sa in an.tensor_args(node):
@@ -78,8 +78,8 @@ def _along_dim(an, node):
         if isinstance(sa, Batched) and sa.dim is not None:
             s = sa
     packet = node.target.overloadpacket
-    if packet in (aten._softmax_backward_data, aten._log_softmax_backward_data):
-        k = node.args[2]
+    if packet in (aten._softmax_backward_data, aten._log_softmax_backward_data, aten.glu_backward):
+        k = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
     elif packet is aten.topk:
         k = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
     else:
@@ -108,5 +108,5 @@ for p in (aten.sum, aten.mean, aten.amax, aten.amin, aten.var_mean, aten.var, at
           aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all, aten.max, aten.min, aten.linalg_vector_norm):
     RULES[p] = _reduction_with_hook
 for p in (aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
-          aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.sort, aten.topk):
+          aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.sort, aten.topk, aten.glu, aten.glu_backward):
     RULES[p] = _along_dim

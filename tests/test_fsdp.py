@@ -74,7 +74,7 @@ SHARDED_RUNS = _sharded_runs()
 # Under pytest-xdist (--dist loadgroup, as benchmarks/gpu_tests.sh runs it) the runs are split into these
 # groups, one process group each on its own worker; a plain run does them all in one process group
 # (spawning the ranks is the slow part, so CI pays it once).
-MATRIX_GROUPS = {"gpt": 0, "hf_gpt2": 1, "gpt_tied": 1, "hf_llama": 2, "llama": 2, "llama_sum": 2}
+MATRIX_GROUPS = {"gpt": 0, "hf_gpt2": 1, "gpt_tied": 1, "vision_blocks": 1, "hf_llama": 2, "llama": 2, "llama_sum": 2}
 
 
 def _matrix_group(case):

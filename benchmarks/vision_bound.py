@@ -15,7 +15,8 @@ sample, at the least (passes/conv_norms.py's and passes/per_sample_norms.py's tw
     ghost   S^2 * (Cout + K)        (<U U^T, E E^T> over positions)
 
 with K = Cin/groups * prod(kernel) the unfolded input width. Biases and norm affines cost O(S * C): left out.
-Prints one line per shape: the bound, the norm FLOPs by form, and where the direct form is the cheaper one.
+Prints one line per shape: the bound, the bound with every weight in the direct form, for how many weights
+the direct form is the cheaper one, and the non-private GFLOPs per sample.
 """
 from __future__ import annotations
 

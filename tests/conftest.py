@@ -27,7 +27,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): tests run on one xdist worker")
 
 
-
 _UNGROUPED = []
 
 

@@ -533,14 +533,18 @@ NCCL_CASES = {"gpt": _text(lambda: make("gpt"), 6), "llama": _text(lambda: make(
               "wrn": _vision("wrn", 32), "vit_qkv": _vision("vit", 32)}
 
 
+def _relative_error(got, ref) -> float:
+    """The largest entry's error, relative to the reference's largest entry."""
+    return ((got.double() - ref.double()).abs().max() / (ref.abs().max() + 1e-12)).item()
+
+
 def _bf16_gradient_error(model, loss_fn, x, y, ebs):
     """The worst relative error of the model's non-private gradient computed in bf16 (a bf16 copy, the mean
     loss over ebs) against fp64, on one GPU: how far bf16 alone takes this model's gradients."""
     exact, _ = dp_reference(model, loss_fn, (x,), (y,), max_grad_norm=float("inf"), expected_batch_size=ebs)
     low = copy.deepcopy(model).to(torch.bfloat16)
     (loss_fn(low(x.bfloat16() if x.is_floating_point() else x), y).sum() / ebs).backward()
-    return max(((p.grad.double() - exact[n].double()).abs().max() / (exact[n].abs().max() + 1e-12)).item()
-               for n, p in low.named_parameters())
+    return max(_relative_error(p.grad, exact[n]) for n, p in low.named_parameters())
 
 
 def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
@@ -586,10 +590,8 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
         torch.compile(step, backend="dp_fsdp", options=options)(x[rows], y[rows])
         worst = 0.0
         for name, p in model.named_parameters():
-            full = p.grad.full_tensor().double().cpu()
             assert p.grad.dtype == torch.float32, (name, p.grad.dtype)
-            scale = ref[name].abs().max().item() + 1e-12
-            err = (full - ref[name]).abs().max().item() / scale
+            err = _relative_error(p.grad.full_tensor().cpu(), ref[name])
             worst = max(worst, err)
             assert err < bound, (case, schedule, name, err, bound)
         results[f"{case}-{schedule}"] = worst / bound

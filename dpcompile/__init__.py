@@ -44,6 +44,7 @@ from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # n
 from dpcompile.compat import size_oblivious_nll_loss_nd, size_oblivious_sdpa  # noqa: E402
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
+from dpcompile.eager_guard import RECOMPILE_LIMIT, non_private  # noqa: E402
 from dpcompile.errors import DPCompileError  # noqa: E402
 from dpcompile.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from dpcompile.sampling import PoissonBatchSampler  # noqa: E402
@@ -51,15 +52,13 @@ from dpcompile.sampling import PoissonBatchSampler  # noqa: E402
 __all__ = [
     "DPBackend", "DPCompileError", "MixedPrecisionPolicy", "fully_shard", "DPConfig", "CompiledStep", "dump_graphs",
     "get_backend", "mark_batch", "private_step", "dp_fsdp", "bucket_collectives", "PrivacyAccountant",
-    "noise_multiplier_for", "accumulate", "Checkpointer",
+    "noise_multiplier_for", "accumulate", "non_private", "Checkpointer",
     "PoissonBatchSampler",
 ]
 
 
 _MODES = {"default": {}, "reduce-overhead": {"cudagraphs": True}}
 
-
-_RECOMPILE_LIMIT = 64
 
 
 def private_step(fn: Callable | None = None, *, mode: str | None = None, **options: Any):
@@ -88,11 +87,9 @@ def private_step(fn: Callable | None = None, *, mode: str | None = None, **optio
         @functools.wraps(f)
         def step(*args, **kwargs):
             before = backend.calls
-            # past dynamo's recompile limit the step would run eagerly: no DP. The limit also counts the
-            # frames dynamo compiles inside the step's eager backward: a sharded step's backward calls
-            # DTensor.__tensor_unflatten__ once per gradient rank (1-D biases ... 5-D Conv3d weights), one
-            # recompile each, which passed 8 on a model with every layer kind; those are not DP steps
-            limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+            # past dynamo's recompile limit the step would run eagerly: no DP (the plain form gets the same
+            # setting process-wide once a DP graph compiles: eager_guard)
+            limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
                 out = compiled(*args, **kwargs)
             if torch.is_grad_enabled() and backend.calls == before:

@@ -27,6 +27,7 @@ from dpcompile.compat import (cache_serves_sharded_steps, guard_empty_y_grid, hf
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
+from dpcompile.eager_guard import refuse_recompile_limit_fallback, sentinel
 from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import PASSES, DPPassContext, ParamInfo
@@ -609,6 +610,9 @@ class DPBackend:
         record.compile_reason = ((getattr(reason, "reason", None) or "").strip().splitlines() or [""])[0]
         refuse_inputs_with_gradients(inputs, example_inputs, split)
         device = next(ex.device for ex, gi in zip(example_inputs, inputs) if gi.kind == "param")
+        # a later eager run of this step (dynamo's recompile limit, a fallback) must fail, not train without DP
+        refuse_recompile_limit_fallback()
+        guard = sentinel([(gi.name, ex) for ex, gi in zip(example_inputs, inputs) if gi.kind == "param"])
         seeds_example = self.noise.example(len(inputs), device)
         counter = self._dropped_counter(device)
         gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
@@ -654,6 +658,7 @@ class DPBackend:
 
         def dp_step(*args):
             self.calls += 1
+            guard.arm()
             steps[0] += 1
             if resave and steps[0] == 2:
                 save_record(resave.pop(), record)

@@ -10,7 +10,8 @@ weight's dim 0 and D the other operand unfolded (its channels times the kernel p
 and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's ||dW||^2:
 
 - direct: the per-sample gradient itself, E^T unfold(D) per sample and group, one batched contraction in the
-  operands' dtype with fp32 accumulation: [B, *weight], exact. Cost ~ S * |weight| per sample (S = positions
+  operands' dtype with fp32 accumulation: [B, *weight], exact. For 1-D and 2-D convolutions the kernel of
+  dpcompile.conv_sq_norms does it without writing unfold(D) or the gradients (fused, fused_sq). Cost ~ S * |weight| per sample (S = positions
   of the sample). It takes any batch size, also one unknown at compile time or 0. (A transposed convolution
   whose output_padding reaches past its stride has no unfold lined up with E: with a static batch size its
   gradients come from convolution_backward with the samples folded into the groups.)
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile import conv_sq_norms
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import GraphBuilder, known
 
@@ -86,14 +88,29 @@ MACS_PER_BYTE = 64
 
 def cost(geo: ConvGeometry) -> tuple[Any, Any]:
     """(ghost, direct) time per sample in multiply-adds: the contractions, plus the fp32 intermediate each
-    writes and reads back at MACS_PER_BYTE."""
+    writes and reads back at MACS_PER_BYTE (the direct form in one kernel, fused(), writes none)."""
     S = geo.positions()
     e_ch = geo.weight_shape[0]
     d_ch = geo.weight_shape[1] * geo.groups * geo.K
     w = math.prod(geo.weight_shape)
     ghost = S * S * (e_ch + d_ch) + MACS_PER_BYTE * 2 * (2 * S * S * 4)
-    direct = S * w + MACS_PER_BYTE * 2 * (w * 4)
+    direct = S * w + (0 if fused(geo) else MACS_PER_BYTE * 2 * (w * 4))
     return ghost, direct
+
+
+def fused(geo: ConvGeometry) -> bool:
+    """The direct form runs as one kernel (dpcompile.conv_sq_norms): a 1-D or 2-D convolution, each sample's
+    rows contiguous and their number static, tiles a tensor-core dot fills."""
+    return (samples_outermost(geo) and type(geo.lay.inner) is int and
+            conv_sq_norms.supported(geo.e.meta["val"].shape, geo.d.meta["val"].shape, geo.weight_shape,
+                                    geo.transposed, geo.groups))
+
+
+def fused_sq(b: GraphBuilder, geo: ConvGeometry) -> fx.Node:
+    """[B] squared norms of the per-sample weight gradients from the kernel's partial sums (fused(geo))."""
+    partial = b.call(torch.ops.dpcompile.conv_weight_sq_norms.default, geo.e, geo.d, list(geo.weight_shape),
+                     list(geo.stride), list(geo.padding), list(geo.dilation), geo.groups, geo.lay.inner)
+    return b.call(aten.sum.dim_IntList, partial, [1])
 
 
 def choose(geo: ConvGeometry, forced: str) -> tuple[str, str]:

@@ -148,6 +148,9 @@ class NormBuilder:
         b, B = self.b, self.B
         geo = conv_norms.geometry(c)
         algo, why = conv_norms.choose(geo, self.ctx.config.conv_norm)
+        if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
+            self.ctx.counters["conv_norm_kernels"] += 1
+            return conv_norms.fused_sq(b, geo), algo, why + "; in one kernel (dpcompile::conv_weight_sq_norms)"
         # Blocks keep the unfolded operand and the form's fp32 intermediate ([B, *weight] gradients, or two
         # [B, S, S] Gram matrices) within the block size. With a static batch size: blocks of samples (contiguous
         # rows of both operands, every intermediate shrinks). Otherwise: blocks of whole groups or of D's

@@ -824,3 +824,51 @@ def mixed_precision_casts(rank, world, init_file, out_dir):
     with open(os.path.join(out_dir, f"mp{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
+
+
+def eager_guard(rank, world, init_file, out_dir):
+    """tests/test_eager_guard.py: a model a DP graph trains refuses gradients from an eager run of its step, on
+    every rank (world 1: one process, unsharded)."""
+    import json
+
+    mesh = _init(rank, world, init_file) if world > 1 else None
+    report = eager_guard_report(mesh)
+    with open(os.path.join(out_dir, f"guard{rank}.json"), "w") as f:
+        json.dump(report, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def eager_guard_report(mesh, device="cpu"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(device)
+    if mesh is not None:
+        dpcompile.fully_shard(model, mesh=mesh)
+
+    def step(x, y):
+        loss = M.ce(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="dp_fsdp", options=dict(
+        max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=4, compiler="eager"))
+    x, y = torch.randn(4, 5, device=device), torch.randint(0, 3, (4,), device=device)
+    report = {"limit_fails": torch._dynamo.config.fail_on_recompile_limit_hit}
+    with dpcompile.accumulate():  # micro-batches: each backward delivers its DP graph's gradient
+        compiled(x[:2], y[:2])
+    compiled(x[2:], y[2:])
+    report["dp_grads"] = all(p.grad is not None for p in model.parameters())
+    report["limit_fails"] = [report["limit_fails"], torch._dynamo.config.fail_on_recompile_limit_hit]
+    try:
+        step(x, y)  # the uncompiled step: plain autograd
+        report["eager"] = "no error"
+    except dpcompile.DPCompileError as e:
+        report["eager"] = str(e)
+    report["cleared"] = [p.grad is None for p in model.parameters()]
+    with dpcompile.non_private():
+        step(x, y)
+    report["non_private"] = all(p.grad is not None for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    compiled(x, y)  # DP steps go on after both
+    report["dp_again"] = all(p.grad is not None for p in model.parameters())
+    return report

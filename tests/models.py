@@ -379,19 +379,20 @@ class ConvNet(nn.Module):
     grouped transposed convolution, a dilated Conv1d over frames ([B*H, C, W] rows: several rows per
     sample), a Conv3d, GroupNorm with one group per channel (InstanceNorm's computation: InstanceNorm itself
     does not trace with an unbacked batch size, tests/test_convolution.py) and a LayerNorm over channels
-    (channel-last)."""
+    (channel-last). The stem and the frames' Conv1d have 16 output channels: their norms run in
+    dpcompile's kernel (dpcompile.conv_sq_norms), the frames' with 8 rows per sample."""
 
     def __init__(self, c_in=3, d_out=3):
         super().__init__()
-        self.stem = nn.Conv2d(c_in, 8, 3, stride=2, padding=1)  # [8, 4, 4] from 8x8
-        self.gn = nn.GroupNorm(2, 8)
-        self.dw = nn.Conv2d(8, 8, 3, padding="same", groups=8, bias=False)
-        self.inorm = nn.GroupNorm(8, 8)
-        self.up = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1, groups=2)  # [4, 8, 8]
-        self.frames = nn.Conv1d(4, 4, 3, dilation=2, padding=2)
-        self.ln = nn.LayerNorm(4)
+        self.stem = nn.Conv2d(c_in, 16, 3, stride=2, padding=1)  # [16, 4, 4] from 8x8
+        self.gn = nn.GroupNorm(2, 16)
+        self.dw = nn.Conv2d(16, 16, 3, padding="same", groups=16, bias=False)
+        self.inorm = nn.GroupNorm(16, 16)
+        self.up = nn.ConvTranspose2d(16, 4, 3, stride=2, padding=1, output_padding=1, groups=2)  # [4, 8, 8]
+        self.frames = nn.Conv1d(4, 16, 5, dilation=2, padding=4)
+        self.ln = nn.LayerNorm(16)
         self.vol = nn.Conv3d(1, 2, (2, 3, 3), stride=(1, 2, 2))
-        self.head = nn.Linear(2 * 3 * 3 * 3, d_out)
+        self.head = nn.Linear(2 * 15 * 3 * 3, d_out)
 
     def forward(self, x):
         B = x.shape[0]
@@ -399,7 +400,7 @@ class ConvNet(nn.Module):
         h = h + torch.tanh(self.inorm(self.dw(h)))
         h = self.up(h)  # [B, 4, 8, 8]
         rows = h.permute(0, 2, 1, 3).reshape(B * 8, 4, 8)  # each image row a sequence of its own
-        rows = self.ln(self.frames(rows).transpose(1, 2)).transpose(1, 2)
-        h = rows.reshape(B, 8, 4, 8).permute(0, 2, 1, 3)  # back to [B, 4, 8, 8]
-        v = self.vol(torch.tanh(h).unsqueeze(1))  # [B, 2, 3, 3, 3]
+        rows = self.ln(self.frames(rows).transpose(1, 2)).transpose(1, 2)  # [B * 8, 16, 8]
+        h = rows.reshape(B, 8, 16, 8).permute(0, 2, 1, 3)  # [B, 16, 8, 8]
+        v = self.vol(torch.tanh(h).unsqueeze(1))  # [B, 2, 15, 3, 3]
         return self.head(v.flatten(1))

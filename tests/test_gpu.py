@@ -39,7 +39,7 @@ def _clipped_on_cuda(model, loss, inputs, targets, **options):
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
-@pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama"])
+@pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama", "conv_kinds"])
 def test_cuda_matches_reference(case, schedule):
     c = CASES[case]
     inputs, targets = c.data(4)
@@ -89,3 +89,26 @@ def test_cuda_bf16_model_matches_reference(case, schedule):
         want = ref[name]
         torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
                                    msg=lambda m: f"{name}: {m}")
+
+
+def test_cuda_conv_norm_kernel_matches_autograd_per_sample_gradients():
+    """dpcompile.conv_sq_norms' Triton kernel compiled for the GPU: bf16 (which the CPU interpreter cannot check),
+    fp16 and fp32 (exact_fp32: no TF32), channels-last too, against fp64 autograd on the rounded operands."""
+    import conv_kernel_check
+    from dpcompile import conv_sq_norms
+
+    for channels_last in (False, True):
+        worst = conv_kernel_check.errors(conv_sq_norms.launch, "cuda", [torch.bfloat16, torch.float16, torch.float32],
+                                         channels_last=channels_last)
+        assert len(worst) == 3 * len(conv_kernel_check.CASES) and max(worst.values()) < 1e-4, worst
+
+
+def test_cuda_eager_run_of_a_dp_trained_model_raises():
+    """A CUDA backward runs its hooks on autograd's device thread: the guard's error still reaches the caller,
+    and dpcompile.non_private() (entered on the calling thread) still lets a non-private backward through."""
+    import dist_worker
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False):
+        rep = dist_worker.eager_guard_report(None, "cuda")
+    assert "no dp_fsdp graph produced" in rep["eager"] and all(rep["cleared"]), rep
+    assert rep["dp_grads"] and rep["non_private"] and rep["dp_again"], rep

@@ -1,0 +1,63 @@
+"""The conv norm kernel (dpcompile.conv_sq_norms) against each sample's weight gradient from autograd in fp64.
+Run as a script with TRITON_INTERPRET=1 (set before triton is imported: tests/test_conv_sq_norms.py starts it
+in a process of its own) it checks the Triton kernel on CPU tensors; tests/test_gpu.py imports it for CUDA."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+# (samples, rows per sample, Cin, Cout, input size, kernel, stride, padding, dilation, groups): tiles cut by
+# the masks on every side (17 and 20 output channels, 27 and 45 columns, positions not a multiple of the
+# dot's), stride, padding, dilation, groups, several rows per sample, 1-D
+CASES = [
+    (3, 1, 3, 16, (7, 9), (3, 3), (1, 1), (1, 1), (1, 1), 1),
+    (2, 1, 6, 20, (8, 8), (3, 3), (2, 2), (1, 1), (1, 1), 1),
+    (2, 2, 4, 32, (9, 7), (3, 2), (1, 2), (2, 0), (2, 1), 1),
+    (2, 1, 8, 32, (6, 6), (1, 1), (2, 2), (0, 0), (1, 1), 2),
+    (3, 1, 9, 17, (10,), (5,), (2,), (2,), (1,), 1),
+    (1, 1, 64, 64, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 1),
+]
+
+
+def reference(e, x, weight_shape, stride, padding, dilation, groups, rows):
+    """Each sample's ||dW||^2 from autograd in fp64."""
+    conv = F.conv2d if len(weight_shape) == 4 else F.conv1d
+    out = []
+    for b in range(e.shape[0] // rows):
+        w = torch.zeros(weight_shape, dtype=torch.float64, device=e.device, requires_grad=True)
+        y = conv(x[b * rows:(b + 1) * rows].double(), w, None, stride, padding, dilation, groups)
+        (g,) = torch.autograd.grad(y, w, e[b * rows:(b + 1) * rows].double())
+        out.append(g.square().sum())
+    return torch.stack(out)
+
+
+def errors(fn, device: str, dtypes, channels_last: bool = False) -> dict[str, float]:
+    """Largest relative error of fn's squared norms (summed over its parts) per case and dtype."""
+    torch.manual_seed(0)
+    worst = {}
+    for i, (B, rows, cin, cout, size, k, st, pad, dil, g) in enumerate(CASES):
+        x = torch.randn(B * rows, cin, *size, device=device)
+        w_shape = [cout, cin // g, *k]
+        conv = F.conv2d if len(k) == 2 else F.conv1d
+        e = torch.randn(conv(x, torch.zeros(w_shape, device=device), None, st, pad, dil, g).shape, device=device)
+        ref = reference(e, x, w_shape, st, pad, dil, g, rows)
+        for dt in dtypes:
+            ed, xd = e.to(dt), x.to(dt)
+            if channels_last and len(k) == 2:
+                ed, xd = ed.contiguous(memory_format=torch.channels_last), xd.contiguous(memory_format=torch.channels_last)
+            # the reference of the rounded operands: what is left is the kernel's own error
+            ref = reference(ed, xd, w_shape, st, pad, dil, g, rows)
+            got = fn(ed, xd, w_shape, list(st), list(pad), list(dil), g, rows).sum(1).double()
+            worst[f"{i}:{str(dt).split('.')[-1]}"] = float(((got - ref).abs() / ref).max())
+    return worst
+
+
+if __name__ == "__main__":
+    from dpcompile import conv_sq_norms
+
+    report = {"fp": errors(conv_sq_norms.launch, "cpu", [torch.float32, torch.float16]),
+              "channels_last": errors(conv_sq_norms.launch, "cpu", [torch.float32], channels_last=True)}
+    json.dump(report, sys.stdout)

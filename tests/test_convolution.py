@@ -70,14 +70,14 @@ def test_convolution_forms_match_the_oracle(form, schedule, conv_norm):
 
 def test_auto_picks_the_cheaper_norm_per_layer_and_says_why():
     """Non-overlapping patches with many channels and few positions (a ViT's patch embedding): the Gram
-    matrices over 4 positions are cheaper than the [B, 32, 3, 4, 4] gradient; a 3x3 convolution over 64
-    positions with few channels: the direct gradient is."""
+    matrices over 4 positions are cheaper than the [B, 96, 3, 4, 4] gradient, also in one kernel; a 3x3
+    convolution over 64 positions with few channels: the direct gradient is."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.patch = nn.Conv2d(3, 32, 4, stride=4)
+            self.patch = nn.Conv2d(3, 96, 4, stride=4)
             self.conv = nn.Conv2d(3, 4, 3, padding=1)
-            self.fc = nn.Linear(32 * 4 + 4 * 64, 2)
+            self.fc = nn.Linear(96 * 4 + 4 * 64, 2)
 
         def forward(self, x):
             return self.fc(torch.cat([self.patch(x).flatten(1), self.conv(x).flatten(1)], 1))

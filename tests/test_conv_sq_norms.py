@@ -17,7 +17,9 @@ from helpers import check_against_reference
 def test_triton_kernel_matches_autograd_per_sample_gradients_interpreted():
     # TRITON_INTERPRET must be set before triton is imported: a process of its own. (bf16 is not checked here:
     # triton 3.6's interpreter loads bf16 wrongly, the GPU test checks it; fp16 takes the same dot path.)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dpcompile from this checkout, installed or not
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "conv_kernel_check.py")],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

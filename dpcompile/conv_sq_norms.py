@@ -36,17 +36,26 @@ def supported(e_shape, x_shape, weight_shape, transposed: bool, groups: int) -> 
     return cout_g >= 16 and weight_shape[1] * math.prod(weight_shape[2:]) >= 16
 
 
-def tiles(cout_g: int, n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): the gradient tile of one program, from the static weight shape (the output's parts
-    depend on it, so the fake kernel computes the same)."""
-    bm = 64 if cout_g >= 64 else 32 if cout_g >= 32 else 16
+def kernel_dtype(e_dtype: torch.dtype, x_dtype: torch.dtype) -> torch.dtype:
+    """The operands' dtype in the kernel: theirs when both are one of fp16, bf16, fp32; else fp32."""
+    return e_dtype if e_dtype == x_dtype and e_dtype in (torch.float16, torch.bfloat16, torch.float32) else \
+        torch.float32
+
+
+def tiles(cout_g: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): the gradient tile of one program, from the static weight shape and the kernel's dtype
+    (the output's parts depend on it, so the fake kernel computes the same). fp32 tiles have at most 32 rows: on
+    a WRN-16-4's shapes (channels-last, batch 256, one H100) 32x64 took 2.8 ms where 64x64 took 4.4
+    (benchmarks/conv_norm_kernel.py); bf16 64x64 took 1.08 ms, no other tried was faster."""
+    top = 32 if dtype == torch.float32 else 64
+    bm = 64 if cout_g >= 64 and top == 64 else 32 if cout_g >= 32 else 16
     bn = 64 if n >= 64 else 32 if n >= 32 else 16
     return bm, bn
 
 
-def parts(weight_shape, groups: int) -> int:
+def parts(weight_shape, groups: int, dtype: torch.dtype) -> int:
     cout_g, n = weight_shape[0] // groups, weight_shape[1] * math.prod(weight_shape[2:])
-    bm, bn = tiles(cout_g, n)
+    bm, bn = tiles(cout_g, n, dtype)
     return groups * -(-cout_g // bm) * -(-n // bn)
 
 
@@ -74,14 +83,16 @@ def conv_weight_sq_norms(e: torch.Tensor, x: torch.Tensor, weight_shape: list[in
 
 @conv_weight_sq_norms.register_fake
 def _(e, x, weight_shape, stride, padding, dilation, groups, rows):
-    return e.new_empty([e.shape[0] // rows, parts(weight_shape, groups)], dtype=torch.float32)
+    return e.new_empty([e.shape[0] // rows, parts(weight_shape, groups, kernel_dtype(e.dtype, x.dtype))],
+                       dtype=torch.float32)
 
 
 def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows):
     """The same contraction with aten ops: unfold, one bmm per block of samples; each sample's squared norm in
     the first part (the others zero)."""
     B = e.shape[0] // rows
-    out = torch.zeros(B, parts(weight_shape, groups), dtype=torch.float32, device=e.device)
+    out = torch.zeros(B, parts(weight_shape, groups, kernel_dtype(e.dtype, x.dtype)), dtype=torch.float32,
+                      device=e.device)
     if B == 0:
         return out
     kernel, st, pad, dil = _geometry(weight_shape, stride, padding, dilation)
@@ -171,13 +182,13 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
     """Runs the Triton kernel (on CPU tensors too under TRITON_INTERPRET=1). config: BLOCK_M, BLOCK_N, BLOCK_P,
     num_warps, num_stages to try others (benchmarks/conv_norm_kernel.py); its parts then differ."""
     B = e.shape[0] // rows
-    if e.dtype != x.dtype or e.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        e, x = e.float(), x.float()
+    dtype = kernel_dtype(e.dtype, x.dtype)
+    e, x = e.to(dtype), x.to(dtype)
     kernel, st, pad, dil = _geometry(weight_shape, stride, padding, dilation)
     e4, x4 = _as_2d(e), _as_2d(x)
     cout_g, cin_g = weight_shape[0] // groups, weight_shape[1]
     n_cols = cin_g * kernel[0] * kernel[1]
-    bm, bn = tiles(cout_g, n_cols)
+    bm, bn = tiles(cout_g, n_cols, dtype)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_P": BLOCK_P, "num_warps": 4, "num_stages": 3, **(config or {})}
     grid = (B * groups, -(-cout_g // cfg["BLOCK_M"]), -(-n_cols // cfg["BLOCK_N"]))
     n_parts = groups * grid[1] * grid[2]

@@ -86,10 +86,11 @@ def geometry(c: Contribution) -> ConvGeometry:
 MACS_PER_BYTE = 64
 
 
-# The kernel's time over cuDNN's weight gradient of the same layer (the same multiply-adds): 1.08 vs 0.73 ms
-# summed over a WRN-16-4's layer shapes at batch 256, bf16 channels-last, one H100
-# (benchmarks/conv_norm_kernel.py); the cost model's other contractions run at library speed.
-FUSED_SLOWDOWN = 1.5
+# The kernel's time over cuDNN's weight gradient of the same layer (the same multiply-adds), summed over a
+# WRN-16-4's layer shapes at batch 256, channels-last, one H100 (benchmarks/conv_norm_kernel.py): bf16 1.08 vs
+# 0.73 ms, fp32 (TF32) 2.8 vs 1.36 ms; the cost model's other contractions run at library speed.
+FUSED_SLOWDOWN = {torch.float32: 2.1}
+FUSED_SLOWDOWN_HALF = 1.5
 
 
 def cost(geo: ConvGeometry) -> tuple[Any, Any]:
@@ -101,7 +102,11 @@ def cost(geo: ConvGeometry) -> tuple[Any, Any]:
     d_ch = geo.weight_shape[1] * geo.groups * geo.K
     w = math.prod(geo.weight_shape)
     ghost = S * S * (e_ch + d_ch) + MACS_PER_BYTE * 2 * (2 * S * S * 4)
-    direct = S * w * FUSED_SLOWDOWN if fused(geo) else S * w + MACS_PER_BYTE * 2 * (w * 4)
+    if fused(geo):
+        dtype = conv_sq_norms.kernel_dtype(geo.e.meta["val"].dtype, geo.d.meta["val"].dtype)
+        direct = S * w * FUSED_SLOWDOWN.get(dtype, FUSED_SLOWDOWN_HALF)
+    else:
+        direct = S * w + MACS_PER_BYTE * 2 * (w * 4)
     return ghost, direct
 
 

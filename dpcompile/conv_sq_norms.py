@@ -105,14 +105,13 @@ def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows):
     for lo in range(0, B, step):
         hi = min(B, lo + step)
         eb, xb = e4[lo * rows:hi * rows], x4[lo * rows:hi * rows]
-        u = torch.nn.functional.unfold(xb, kernel, dilation=dil, padding=pad, stride=st)  # [n, Cin * K, P]
-        n, P = u.shape[0], u.shape[2]
-        u = u.view(hi - lo, rows, groups, cin_g * K, P).permute(0, 2, 3, 1, 4).reshape((hi - lo) * groups, cin_g * K,
-                                                                                        rows * P)
-        g = eb.reshape(hi - lo, rows, groups, cout_g, P).permute(0, 2, 3, 1, 4).reshape((hi - lo) * groups, cout_g,
-                                                                                        rows * P)
+        u = torch.nn.functional.unfold(xb, kernel, dilation=dil, padding=pad, stride=st)  # [n * rows, Cin * K, P]
+        n, P = hi - lo, u.shape[2]
+        # [samples * groups, channels per group, rows * P]: a sample's rows are more positions
+        u = u.view(n, rows, groups, cin_g * K, P).permute(0, 2, 3, 1, 4).reshape(n * groups, cin_g * K, rows * P)
+        g = eb.reshape(n, rows, groups, cout_g, P).permute(0, 2, 3, 1, 4).reshape(n * groups, cout_g, rows * P)
         dw = torch.bmm(g, u.transpose(1, 2))  # [samples * groups, Cout/g, Cin/g * K]
-        out[lo:hi, 0] = dw.square().view(hi - lo, -1).sum(1).to(torch.float32)
+        out[lo:hi, 0] = dw.square().view(n, -1).sum(1).to(torch.float32)
     return out
 
 

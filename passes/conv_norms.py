@@ -11,10 +11,11 @@ and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's |
 
 - direct: the per-sample gradient itself, E^T unfold(D) per sample and group, one batched contraction in the
   operands' dtype with fp32 accumulation: [B, *weight], exact. For 1-D and 2-D convolutions the kernel of
-  dpcompile.conv_sq_norms does it without writing unfold(D) or the gradients (fused, fused_sq). Cost ~ S * |weight| per sample (S = positions
-  of the sample). It takes any batch size, also one unknown at compile time or 0. (A transposed convolution
-  whose output_padding reaches past its stride has no unfold lined up with E: with a static batch size its
-  gradients come from convolution_backward with the samples folded into the groups.)
+  dpcompile.conv_sq_norms does it without writing unfold(D) or the gradients (fused, fused_sq). Cost
+  ~ S * |weight| per sample (S = positions of the sample). It takes any batch size, also one unknown at
+  compile time or 0. (A transposed convolution whose output_padding reaches past its stride has no unfold
+  lined up with E: with a static batch size its gradients come from convolution_backward with the samples
+  folded into the groups.)
 - ghost: sum over groups of <E E^T, D D^T> over the sample's positions: [B, S, S] Gram matrices, cost
   ~ S^2 (channels of E + channels of D). Cheaper when positions are few and channels many.
 

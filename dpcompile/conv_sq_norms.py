@@ -100,8 +100,7 @@ def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows):
     e4, x4 = _as_2d(e).to(acc), _as_2d(x).to(acc)
     cout, cin = e4.shape[1], x4.shape[1]
     cout_g, cin_g, K = cout // groups, cin // groups, kernel[0] * kernel[1]
-    per_sample = 4 * math.prod(weight_shape) * max(1, acc.itemsize // 4)
-    step = max(1, CPU_BLOCK_BYTES // per_sample)
+    step = max(1, CPU_BLOCK_BYTES // (math.prod(weight_shape) * acc.itemsize))  # acc: fp32 or fp64
     for lo in range(0, B, step):
         hi = min(B, lo + step)
         eb, xb = e4[lo * rows:hi * rows], x4[lo * rows:hi * rows]

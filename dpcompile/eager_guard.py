@@ -36,6 +36,7 @@ from dpcompile.errors import DPCompileError
 # weights), one recompile each, which passed 8 on a model with every layer kind; those are not DP steps
 RECOMPILE_LIMIT = 64
 
+
 class _NonPrivate:
     depth = 0  # process-wide, not per thread: autograd runs a CUDA backward's hooks on its device threads
 

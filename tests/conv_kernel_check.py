@@ -43,7 +43,6 @@ def errors(fn, device: str, dtypes, channels_last: bool = False) -> dict[str, fl
         w_shape = [cout, cin // g, *k]
         conv = F.conv2d if len(k) == 2 else F.conv1d
         e = torch.randn(conv(x, torch.zeros(w_shape, device=device), None, st, pad, dil, g).shape, device=device)
-        ref = reference(e, x, w_shape, st, pad, dil, g, rows)
         for dt in dtypes:
             ed, xd = e.to(dt), x.to(dt)
             if channels_last and len(k) == 2:

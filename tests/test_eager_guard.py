@@ -11,6 +11,7 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 import dist_worker
 import dpcompile
 import models as M
+from helpers import compile_step
 from test_fsdp import spawn
 
 
@@ -28,15 +29,10 @@ def test_one_step_function_for_many_models_raises_at_the_recompile_limit(dynamo_
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4 + i, 6), nn.Tanh(), nn.Linear(6, 3)) for i in range(4)]
 
-    def run(model):
-        def step(x, y):
-            loss = M.ce(model(x), y).mean()
-            loss.backward()
-            return loss.detach()
-
-        step = torch.compile(step, backend="dp_fsdp", options=dict(
-            max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=3, compiler="eager"))
-        step(torch.randn(3, model[0].in_features), torch.randint(0, 3, (3,)))
+    def run(model):  # compile_step's step function: one code object for every model
+        step, _ = compile_step(model, M.ce, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=3,
+                               compiler="eager")
+        step((torch.randn(3, model[0].in_features),), (torch.randint(0, 3, (3,)),))
 
     assert not torch._dynamo.config.fail_on_recompile_limit_hit
     run(models[0])

@@ -33,17 +33,20 @@ WRN_LAYERS = [
 ]
 
 
-def gpu_ms(fn, iters=20):
+def gpu_ms(fn, iters=20, reps=10):
+    """Median GPU ms of one call, from events around ``reps`` calls in a row: around one call, the host's
+    launch time (tens of microseconds for a Triton kernel from Python) would count where the GPU idles."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
 
 

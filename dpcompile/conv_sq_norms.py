@@ -22,7 +22,6 @@ import math
 
 import torch
 
-BLOCK_P = 32  # positions per step of the contraction (the dot's K)
 CPU_BLOCK_BYTES = 64 << 20  # the aten path: per-sample gradients of at most this many bytes at a time
 
 
@@ -43,13 +42,14 @@ def kernel_dtype(e_dtype: torch.dtype, x_dtype: torch.dtype) -> torch.dtype:
 
 
 def tiles(cout_g: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): the gradient tile of one program, from the static weight shape and the kernel's dtype
-    (the output's parts depend on it, so the fake kernel computes the same). fp32 tiles have at most 32 rows: on
-    a WRN-16-4's shapes (channels-last, batch 256, one H100) 32x64 took 2.8 ms where 64x64 took 4.4
-    (benchmarks/conv_norm_kernel.py); bf16 64x64 took 1.08 ms, no other tried was faster."""
-    top = 32 if dtype == torch.float32 else 64
-    bm = 64 if cout_g >= 64 and top == 64 else 32 if cout_g >= 32 else 16
-    bn = 64 if n >= 64 else 32 if n >= 32 else 16
+    """(BLOCK_M, BLOCK_N): the gradient tile of one program, from the static weight shape (n columns) and the
+    kernel's dtype (the output's parts depend on it, so the fake kernel computes the same). Chosen on a
+    WRN-16-4's layers, channels-last, batch 256, one H100 (benchmarks/conv_norm_kernel.py): 128 columns where
+    there are that many (64 -> 64 channels at 32x32, bf16: 0.13 -> 0.07 ms against 64x64 tiles); up to 128
+    rows in half precision, at most 32 in fp32 (64-row fp32 tiles: 1.5-2x slower)."""
+    top = 128 if dtype != torch.float32 else 32
+    bm = next(t for t in (128, 64, 32, 16) if t <= top and (cout_g >= t or t == 16))
+    bn = next(t for t in (128, 64, 32, 16) if n >= t or t == 16)
     return bm, bn
 
 
@@ -57,6 +57,13 @@ def parts(weight_shape, groups: int, dtype: torch.dtype) -> int:
     cout_g, n = weight_shape[0] // groups, weight_shape[1] * math.prod(weight_shape[2:])
     bm, bn = tiles(cout_g, n, dtype)
     return groups * -(-cout_g // bm) * -(-n // bn)
+
+
+def launch_config(bm: int, bn: int, n_pos: int) -> dict:
+    """Warps and the positions per step (the dot's K) for a tile: 8 warps from 64x128; a whole 8x8 map per
+    step in a 128x128 tile (WRN-16-4's 256-channel layers, bf16: 0.11 -> 0.08 ms)."""
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_P": 64 if bm * bn >= 128 * 128 and n_pos <= 64 else 32,
+            "num_warps": 8 if bm * bn >= 64 * 128 else 4, "num_stages": 3}
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -132,20 +139,35 @@ def _define_kernel():
     def conv_weight_sq_norms_kernel(
             e_ptr, x_ptr, out_ptr,
             se_b, se_c, se_h, se_w, sx_b, sx_c, sx_h, sx_w,
-            ROWS, COUT_G, CIN_G, OH, OW, H, W, GROUPS, PARTS, N_POS: tl.constexpr,
+            ROWS: tl.constexpr, COUT_G: tl.constexpr, CIN_G: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+            H: tl.constexpr, W: tl.constexpr, GROUPS: tl.constexpr, PARTS: tl.constexpr, N_POS: tl.constexpr,
             KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
             PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
-        pid_bg = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_n = tl.program_id(2)
+        # The geometry is constexpr (a kernel per layer shape): the index arithmetic of every step divides by
+        # constants. One program per (sample and group, tile), a sample's tiles adjacent: they run at about
+        # the same time and read the same rows of e and x, so those come from L2 once per sample, not once
+        # per tile (WRN-16-4 bf16, H100: the step's 12 launches 0.87 -> 0.78 ms).
+        n_cols: tl.constexpr = CIN_G * KH * KW
+        tiles_m: tl.constexpr = (COUT_G + BLOCK_M - 1) // BLOCK_M
+        tiles_n: tl.constexpr = (n_cols + BLOCK_N - 1) // BLOCK_N
+        # a tile within one kernel tap (BLOCK_N divides the channels): its columns are channels at one
+        # (kh, kw), so a position's window offset and padding test are one value per position, not per entry
+        one_tap: tl.constexpr = CIN_G % BLOCK_N == 0
+        pid = tl.program_id(0)
+        pid_bg = pid // (tiles_m * tiles_n)
+        pid_m = pid % (tiles_m * tiles_n) // tiles_n
+        pid_n = pid % tiles_n
         b = pid_bg // GROUPS
         g = pid_bg % GROUPS
-        n_cols = CIN_G * KH * KW
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output channel within the group
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column: (kernel position, input channel)
-        ci = offs_n % CIN_G
-        kpos = offs_n // CIN_G
+        if one_tap:
+            ci = (pid_n * BLOCK_N) % CIN_G + tl.arange(0, BLOCK_N)
+            kpos = (pid_n * BLOCK_N) // CIN_G
+        else:
+            ci = offs_n % CIN_G
+            kpos = offs_n // CIN_G
         kh = kpos // KW
         kw = kpos % KW
         mask_m = offs_m < COUT_G
@@ -162,14 +184,19 @@ def _define_kernel():
             ow = pos % OW
             e_tile = tl.load(e_base + (row * se_b + oh * se_h + ow * se_w)[None, :],
                              mask=mask_m[:, None] & mask_p[None, :], other=0.0)  # [BLOCK_M, BLOCK_P]
-            ih = (oh * SH - PH)[:, None] + (kh * DH)[None, :]
-            iw = (ow * SW - PW)[:, None] + (kw * DW)[None, :]
-            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            x_tile = tl.load(x_base + (row * sx_b)[:, None] + ih * sx_h + iw * sx_w,
-                             mask=mask_p[:, None] & mask_n[None, :] & inside, other=0.0)  # [BLOCK_P, BLOCK_N]
+            if one_tap:
+                ih = oh * SH - PH + kh * DH
+                iw = ow * SW - PW + kw * DW
+                inside = mask_p & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                x_tile = tl.load(x_base + (row * sx_b + ih * sx_h + iw * sx_w)[:, None],
+                                 mask=inside[:, None], other=0.0)  # [BLOCK_P, BLOCK_N]
+            else:
+                ih = (oh * SH - PH)[:, None] + (kh * DH)[None, :]
+                iw = (ow * SW - PW)[:, None] + (kw * DW)[None, :]
+                inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                x_tile = tl.load(x_base + (row * sx_b)[:, None] + ih * sx_h + iw * sx_w,
+                                 mask=mask_p[:, None] & mask_n[None, :] & inside, other=0.0)  # [BLOCK_P, BLOCK_N]
             acc = tl.dot(e_tile, x_tile, acc, input_precision=PRECISION)
-        tiles_m = tl.cdiv(COUT_G, BLOCK_M)
-        tiles_n = tl.cdiv(n_cols, BLOCK_N)
         part = (g * tiles_m + pid_m) * tiles_n + pid_n
         tl.store(out_ptr + b * PARTS + part, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
 
@@ -186,10 +213,10 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
     e4, x4 = _as_2d(e), _as_2d(x)
     cout_g, cin_g = weight_shape[0] // groups, weight_shape[1]
     n_cols = cin_g * kernel[0] * kernel[1]
-    bm, bn = tiles(cout_g, n_cols, dtype)
-    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_P": BLOCK_P, "num_warps": 4, "num_stages": 3, **(config or {})}
-    grid = (B * groups, -(-cout_g // cfg["BLOCK_M"]), -(-n_cols // cfg["BLOCK_N"]))
-    n_parts = groups * grid[1] * grid[2]
+    n_pos = rows * e4.shape[2] * e4.shape[3]
+    cfg = {**launch_config(*tiles(cout_g, n_cols, dtype), n_pos), **(config or {})}
+    n_parts = groups * -(-cout_g // cfg["BLOCK_M"]) * -(-n_cols // cfg["BLOCK_N"])
+    grid = (B * n_parts,)
     out = torch.empty(B, n_parts, dtype=torch.float32, device=e.device)
     if B == 0:
         return out
@@ -198,7 +225,7 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
     _kernel()[grid](
         e4, x4, out, *e4.stride(), *x4.stride(),
         rows, cout_g, cin_g, e4.shape[2], e4.shape[3], x4.shape[2], x4.shape[3], groups, n_parts,
-        rows * e4.shape[2] * e4.shape[3],
+        n_pos,
         KH=kernel[0], KW=kernel[1], SH=st[0], SW=st[1], PH=pad[0], PW=pad[1], DH=dil[0], DW=dil[1],
         PRECISION=precision, **cfg)
     return out

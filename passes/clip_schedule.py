@@ -78,19 +78,52 @@ def _operand_positions(c: Contribution) -> dict[int, Batched]:
     raise AssertionError(c.kind)
 
 
+# views that keep every element of their input, in another shape or order: an operand reached through them is
+# scaled or masked at its source, which the other contributions reading that source share
+_WHOLE_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+                aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+                aten.squeeze.default, aten.alias.default)
+
+
+def _source(x: fx.Node, states: dict) -> tuple[fx.Node, list[fx.Node]]:
+    """x's source through whole views whose input has a sample dim, and those views (outermost first)."""
+    views = []
+    while (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _WHOLE_VIEWS
+           and isinstance(states.get(x.args[0]), Batched) and states[x.args[0]].dim is not None):
+        views.append(x)
+        x = x.args[0]
+    return x, views
+
+
 def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: Any, keep: fx.Node | None = None,
-                        arg_of=lambda a: a, clean: frozenset = frozenset()) -> fx.Node:
+                        arg_of=lambda a: a, clean: frozenset = frozenset(), shared: dict | None = None,
+                        states: dict | None = None) -> fx.Node:
     """The contribution rebuilt with its tangent-side operand row-scaled by r (r None: not scaled) and every
-    per-sample operand's dropped rows zeroed (but operands in ``clean``: zeroed already)."""
+    per-sample operand's dropped rows zeroed (but operands in ``clean``: zeroed already).
+
+    With ``shared`` (and ``states``, the nodes' sample layouts), an operand is scaled or masked at its source
+    (through reshapes and transposes) once for every contribution that reads it: q, k and v projections of
+    one input, a block's convolution and its shortcut's, the two branches of a residual's output gradient.
+    Each copy is a full read and write of the operand (WRN-16-4 bf16 on an H100: the largest such kernel
+    made 10 copies, 2 of them repeats)."""
     node = c.node
     args = list(fx.node.map_arg(tuple(node.args), arg_of))
     positions = _operand_positions(c)
     scaled = c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
     for i, lay in positions.items():
-        if i == scaled and r is not None:
-            args[i] = row_scale(b, args[i], lay, r, B, keep)
-        elif args[i] not in clean:
-            args[i] = zero_dropped_rows(b, args[i], lay, keep, B)
+        do_scale = i == scaled and r is not None
+        if not do_scale and (args[i] in clean or keep is None):
+            continue
+        src, views = (args[i], []) if shared is None else _source(args[i], states)
+        src_lay = states[src] if views else lay
+        new = shared.get((src, do_scale)) if shared is not None else None
+        if new is None:
+            new = row_scale(b, src, src_lay, r, B, keep) if do_scale else zero_dropped_rows(b, src, src_lay, keep, B)
+            if shared is not None:
+                shared[(src, do_scale)] = new
+        for v in reversed(views):
+            new = b.call(v.target, new, *v.args[1:], **v.kwargs)
+        args[i] = new
     return b.call(node.target, *args, **fx.node.map_arg(dict(node.kwargs), arg_of))
 
 
@@ -172,12 +205,15 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     # first, the order a backward produces gradients and the order their
     # reductions are issued in (collective_order), so each reduce-scatter
     # can run under the next contraction
+    operands: dict = {}
     with graph.inserting_before(out):
         for c in reversed(all_contribs):
             if c not in deferred:
                 continue
             b.meta_source = c.node
-            new = scaled_contribution(b, c, r, B, keep)
+            before = len(operands)
+            new = scaled_contribution(b, c, r, B, keep, shared=operands, states=ctx.states)
+            ctx.counters["bk_operand_copies"] += len(operands) - before
             c.node.replace_all_uses_with(new)
             ctx.counters["bk_deferred_contractions"] += 1
     # ghost: a second backward for the parameters with recomputed contributions

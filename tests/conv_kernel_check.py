@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 # (samples, rows per sample, Cin, Cout, input size, kernel, stride, padding, dilation, groups): tiles cut by
 # the masks on every side (17 and 20 output channels, 27 and 45 columns, positions not a multiple of the
-# dot's), stride, padding, dilation, groups, several rows per sample, 1-D
+# dot's), stride, padding, dilation, groups, several rows per sample, 1-D; both column layouts of a tile
 CASES = [
     (3, 1, 3, 16, (7, 9), (3, 3), (1, 1), (1, 1), (1, 1), 1),
     (2, 1, 6, 20, (8, 8), (3, 3), (2, 2), (1, 1), (1, 1), 1),
@@ -19,6 +19,12 @@ CASES = [
     (2, 1, 8, 32, (6, 6), (1, 1), (2, 2), (0, 0), (1, 1), 2),
     (3, 1, 9, 17, (10,), (5,), (2,), (2,), (1,), 1),
     (1, 1, 64, 64, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 1),
+    (2, 2, 64, 80, (6, 5), (3, 3), (2, 1), (1, 2), (1, 2), 2),  # 128 columns across taps, 40 rows
+    # tiles within one kernel tap (channels per group a multiple of the tile's 128 columns): 128x128 tiles in
+    # half precision (144 rows: cut); strided, padded, dilated, grouped (24 rows: cut); 1-D
+    (1, 1, 128, 144, (5, 5), (3, 3), (1, 1), (1, 1), (1, 1), 1),
+    (2, 1, 256, 48, (6, 5), (3, 3), (2, 1), (1, 2), (1, 2), 2),
+    (2, 1, 128, 32, (12,), (3,), (1,), (1,), (2,), 1),
 ]
 
 

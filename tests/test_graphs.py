@@ -10,7 +10,7 @@ from expecttest import TestCase
 
 import dpcompile
 import models as M
-from helpers import compile_step
+from helpers import check_against_reference, compile_step
 
 KEEP = {"mm", "bmm", "sqrt", "clamp_max", "inductor_random"}
 
@@ -28,6 +28,18 @@ def op_trace(ops) -> str:
         if name in KEEP:
             lines.append(f"{name} {list(shape)}")
     return "\n".join(lines)
+
+
+class TwoHeads(torch.nn.Module):
+    """Two heads read one hidden layer, and their sum gives both one output gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.a, self.b = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3), torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return self.a(h) + self.b(h)
 
 
 def mlp_backward(schedule, **extra):
@@ -79,6 +91,17 @@ mm [7, 5]""")
             stored = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]
                       if op == "prims.inductor_force_stride_order.default"]
             self.assertGreaterEqual(stored.count(("inductor_force_stride_order", [4])), 2, schedule)
+
+    def test_bk_scales_or_masks_each_operand_once_for_all_its_readers(self):
+        # 6 contractions (3 weights, 3 biases) read 4 per-sample operands: the input and the hidden layer
+        # (masked: a dropped sample's rows zeroed), fc's and the heads' shared output gradient (scaled). A copy
+        # per reader would be 9, each a full read and write of the operand
+        torch._dynamo.reset()
+        x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+        x[2] = float("nan")  # dropped: its rows must be zero in every copy
+        backend = check_against_reference(TwoHeads(), M.ce, (x,), (y,), schedule="bk")
+        self.assertEqual(backend.compiled[0].counters["bk_deferred_contractions"], 6)
+        self.assertEqual(backend.compiled[0].counters["bk_operand_copies"], 4)
 
     def test_noise_is_drawn_in_the_backward_in_one_flat_draw(self):
         torch._dynamo.reset()

@@ -80,7 +80,7 @@ def _geometry(weight_shape, stride, padding, dilation):
 # Defined with torch.library's low-level API, not ``custom_op``: the op runs 12 times in a WRN-16-4's step, and
 # custom_op's Python dispatch took 36 us of host time per call on top of the launch's 35 (one H100's host);
 # these steps are launch-bound.
-_LIB = torch.library.Library("dpcompile", "DEF")
+_LIB = torch.library.Library("dpcompile", "FRAGMENT")
 _LIB.define("conv_weight_sq_norms(Tensor e, Tensor x, int[] weight_shape, int[] stride, int[] padding, "
             "int[] dilation, int groups, int rows) -> Tensor")
 

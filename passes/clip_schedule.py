@@ -116,11 +116,12 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
             continue
         src, views = (args[i], []) if shared is None else _source(args[i], states)
         src_lay = states[src] if views else lay
-        new = shared.get((src, do_scale)) if shared is not None else None
+        key = (src, do_scale, src_lay.dim, repr(src_lay.outer), repr(src_lay.inner))
+        new = shared.get(key) if shared is not None else None
         if new is None:
             new = row_scale(b, src, src_lay, r, B, keep) if do_scale else zero_dropped_rows(b, src, src_lay, keep, B)
             if shared is not None:
-                shared[(src, do_scale)] = new
+                shared[key] = new
         for v in reversed(views):
             new = b.call(v.target, new, *v.args[1:], **v.kwargs)
         args[i] = new

@@ -55,7 +55,11 @@ def tiles(cout_g: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
 
 def parts(weight_shape, groups: int, dtype: torch.dtype) -> int:
     cout_g, n = weight_shape[0] // groups, weight_shape[1] * math.prod(weight_shape[2:])
-    bm, bn = tiles(cout_g, n, dtype)
+    return _tile_count(groups, cout_g, n, *tiles(cout_g, n, dtype))
+
+
+def _tile_count(groups: int, cout_g: int, n: int, bm: int, bn: int) -> int:
+    """Tiles of the gradient per sample, one partial sum each: the fake kernel's parts and the launch's alike."""
     return groups * -(-cout_g // bm) * -(-n // bn)
 
 
@@ -248,7 +252,7 @@ def _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, 
     n_cols = cin_g * kernel[0] * kernel[1]
     n_pos = rows * e4.shape[2] * e4.shape[3]
     cfg = {**launch_config(*tiles(cout_g, n_cols, dtype), n_pos), **(config or {})}
-    n_parts = groups * -(-cout_g // cfg["BLOCK_M"]) * -(-n_cols // cfg["BLOCK_N"])
+    n_parts = _tile_count(groups, cout_g, n_cols, cfg["BLOCK_M"], cfg["BLOCK_N"])
     precision = ("tf32" if tf32 else "ieee") if dtype == torch.float32 else None
     args = (*e4.stride(), *x4.stride(), rows, cout_g, cin_g, e4.shape[2], e4.shape[3], x4.shape[2], x4.shape[3],
             groups, n_parts, n_pos)

@@ -4,6 +4,7 @@
     python benchmarks/vision.py --models vit --dtypes bf16 --modes nonprivate,ghost --out vit.json
     python benchmarks/vision.py --models wrn16-4 --cudagraphs  # CUDA graphs on both sides (launch-bound steps)
     python benchmarks/vision.py --models wrn16-4 --conv-norm direct --kernel-profile kp   # a forced norm form; kernels
+    python benchmarks/vision.py --models vit-s16 --gram-kernel off   # ghost-form norms as Gram matmuls (A/B)
     python benchmarks/vision.py --tiny                         # CPU smoke run: narrow models, few steps, eager
     python benchmarks/vision.py --tiny --compiler inductor     # ... with Inductor's code generation (slow on CPU)
 
@@ -260,6 +261,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-profile", default=None, metavar="DIR",
                     help="CUDA: one more step of each mode under torch.profiler; every GPU kernel's count and time "
                          "as JSON in DIR")
+    ap.add_argument("--gram-kernel", default=None, choices=["on", "off"],
+                    help="off: ghost-form norms as Gram matmuls in the graph, not dpcompile::gram_sq_norms (A/B; "
+                         "default: dpcompile's, on unless DPCOMPILE_GRAM_KERNEL=0)")
     ap.add_argument("--out", default=None, help="JSON of every row, rewritten after each mode")
     args = ap.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else 2 if args.tiny else 3
@@ -269,6 +273,9 @@ def main(argv=None) -> int:
     for given, known in ((args.models, SHAPES), (args.dtypes, ("fp32", "bf16")), (args.modes, MODES)):
         if set(given.split(",")) - set(known):
             ap.error(f"unknown {sorted(set(given.split(',')) - set(known))}; known: {', '.join(known)}")
+    from dpcompile.passes import per_sample_norms
+    if args.gram_kernel is not None:
+        per_sample_norms.GRAM_KERNEL = args.gram_kernel == "on"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 = TF32 tensor-core matmuls and convolutions
     torch.backends.cudnn.allow_tf32 = True

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from dpcompile import gram_sq_norms as _gram_op  # noqa: F401  (defines dpcompile::gram_sq_norms)
 from dpcompile.fx_utils import GraphBuilder, known
 
 from . import conv_norms
@@ -41,6 +43,11 @@ prims = torch.ops.prims
 # of the direct form, [B, S, S] Gram matrices of the ghost form); larger ones are computed in blocks whose
 # squared norms add. Unblocked, the direct form of GPT-2's LM head at B=8 materialised 1.2 GB per step.
 NORM_BLOCK_BYTES = 128 << 20
+# The ghost form in one kernel (dpcompile.gram_sq_norms) where the rows per sample are static; off (or
+# DPCOMPILE_GRAM_KERNEL=0 in the environment): two Gram matmuls, their product and a sum in the graph, as
+# benchmarks compare the two.
+GRAM_KERNEL = os.environ.get("DPCOMPILE_GRAM_KERNEL", "1") != "0"
+GRAM_KERNEL_WHY = "; in one kernel (dpcompile::gram_sq_norms)"
 
 
 def _spans(n: int, k: int) -> list[tuple[int, int]]:
@@ -113,6 +120,8 @@ class NormBuilder:
             return b.call(aten.mul.Tensor, sa, sg), algo, why
         _, S, p = A.meta["val"].shape
         m = G.meta["val"].shape[2]
+        if algo == "ghost" and (sq := self.gram_sq(A, G)) is not None:
+            return sq, algo, why + GRAM_KERNEL_WHY
         if algo == "ghost":
             # <A A^T, G G^T> over row blocks of the [S, S] Gram matrices
             k = self._blocks(2 * S * S * 4, S)
@@ -139,6 +148,16 @@ class NormBuilder:
             self.ctx.counters["norm_blocks"] += k
         return _add_all(b, parts), algo, why
 
+    def gram_sq(self, A: fx.Node, G: fx.Node) -> fx.Node | None:
+        """[n] = <A_i A_i^T, G_i G_i^T> for A [n, S, p], G [n, S, m] in one kernel (dpcompile.gram_sq_norms: no
+        [n, S, S] Gram matrices written, so no blocks); None where S is symbolic (the kernel's tiles are static)
+        or the kernel is off (GRAM_KERNEL)."""
+        if not GRAM_KERNEL or not isinstance(A.meta["val"].shape[1], int):
+            return None
+        self.ctx.counters["gram_norm_kernels"] += 1
+        partial = self.b.call(torch.ops.dpcompile.gram_sq_norms.default, A, G)
+        return self.b.call(aten.sum.dim_IntList, partial, [1])
+
     def mm_materialize(self, c: Contribution) -> fx.Node:
         A, G = self.mm_factors(c)
         return bmm_f32(self.b, _transpose12(self.b, A), G)  # [B, p, m]
@@ -148,6 +167,7 @@ class NormBuilder:
         b, B = self.b, self.B
         geo = conv_norms.geometry(c)
         algo, why = conv_norms.choose(geo, self.ctx.config.conv_norm)
+        grams = self.ctx.counters["gram_norm_kernels"]
         if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
             self.ctx.counters["conv_norm_kernels"] += 1
             return conv_norms.fused_sq(b, geo), algo, why + "; in one kernel (dpcompile::conv_weight_sq_norms)"
@@ -157,7 +177,8 @@ class NormBuilder:
         # channels (conv_norms.block_operands), the Gram rows blocked apart.
         S = geo.positions()
         unfolded = S * geo.weight_shape[1] * geo.groups * geo.K * geo.d.meta["val"].element_size()
-        intermediate = {"direct": math.prod(geo.weight_shape) * 4, "ghost": 2 * S * S * 4 * geo.groups}
+        intermediate = {"direct": math.prod(geo.weight_shape) * 4,
+                        "ghost": 0 if GRAM_KERNEL and isinstance(S, int) else 2 * S * S * 4 * geo.groups}
         by_samples = isinstance(B, int) and conv_norms.samples_outermost(geo)
         unit = "samples" if by_samples else "groups" if geo.groups > 1 else "channels"
         for form in (algo, "direct"):
@@ -175,6 +196,8 @@ class NormBuilder:
         if k > 1:
             why += f"; in {k} blocks of {unit} of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
             self.ctx.counters["norm_blocks"] += k
+        if self.ctx.counters["gram_norm_kernels"] > grams:
+            why += GRAM_KERNEL_WHY
         return sq, algo, why
 
     def _conv_sq_by_samples(self, geo: conv_norms.ConvGeometry, algo: str, per_sample: int) -> tuple[Any, int]:
@@ -207,6 +230,9 @@ class NormBuilder:
             if factors is None:
                 return None
             A, G = factors  # one Gram pair per group
+            if (sq := self.gram_sq(A, G)) is not None:  # [B * g]
+                parts.append(b.sum_per_sample(b.view(sq, [B, g])) if g > 1 else sq)
+                continue
             S = A.meta["val"].shape[1]
             k = rows if rows is not None else self._blocks(2 * S * S * 4 * g, S)
             for rlo, rhi in _spans(S, k):

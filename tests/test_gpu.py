@@ -103,6 +103,25 @@ def test_cuda_conv_norm_kernel_matches_autograd_per_sample_gradients():
         assert len(worst) == 3 * len(conv_kernel_check.CASES) and max(worst.values()) < 1e-4, worst
 
 
+def test_cuda_gram_norm_kernel_matches_per_sample_gradient_norms():
+    """dpcompile.gram_sq_norms' Triton kernel compiled for the GPU: bf16 (which the CPU interpreter cannot check),
+    fp16 and fp32 (no TF32 here), every operand layout of the cases, against fp64 on the rounded operands; and
+    with TF32, as a step with allow_tf32 runs it, to TF32's rounding."""
+    import gram_kernel_check
+    from dpcompile import gram_sq_norms
+
+    gram_sq_norms._PLANS.clear()
+    worst = gram_kernel_check.errors(gram_sq_norms.launch, "cuda", [torch.bfloat16, torch.float16, torch.float32])
+    assert len(worst) == 3 * len(gram_kernel_check.CASES) and max(worst.values()) < 1e-4, worst
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        worst = gram_kernel_check.errors(gram_sq_norms.launch, "cuda", [torch.float32])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert max(worst.values()) < 1e-2, worst
+
+
 def test_cuda_eager_run_of_a_dp_trained_model_raises():
     """A CUDA backward runs its hooks on autograd's device thread: the guard's error still reaches the caller,
     and dpcompile.non_private() (entered on the calling thread) still lets a non-private backward through."""

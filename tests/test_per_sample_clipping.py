@@ -150,10 +150,14 @@ def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("linear_norm,T,d,at_least", [("direct", 8, 128, 3), ("ghost", 256, 16, 4)])
-def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d, at_least):
+def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d, at_least, monkeypatch):
     """Per-sample tensors of 2**16 elements or more are summed in two stages (Inductor cannot split a sum to
     an unbacked [B]): direct weight gradients of the 4d x d MLP and the tied [V, d] embedding/LM head, or the
-    T x T Gram matrices of the ghost norms of every Linear and the position embedding. Unbacked batch, exact."""
+    T x T Gram matrices of the ghost norms of every Linear and the position embedding (their graph form: the
+    form symbolic rows per sample take; static ones run dpcompile::gram_sq_norms). Unbacked batch, exact."""
+    from dpcompile.passes import per_sample_norms
+
+    monkeypatch.setattr(per_sample_norms, "GRAM_KERNEL", False)
     torch.manual_seed(0)
     model = M.GPT(vocab=520, d=d, n_head=2, n_layer=1, max_t=T, tied=True)
     ids, y = _ids(4, T, 520), _ids(4, T, 520)
@@ -168,10 +172,12 @@ def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d,
 def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, monkeypatch):
     """A per-sample norm whose [B, p, m] (direct) or [B, S, S] (ghost) intermediate would exceed
     NORM_BLOCK_BYTES at the expected batch size is summed over blocks: of the larger feature dim (the MLP's
-    fc has m > p, its proj p > m, the tied head V > d) or of the Gram matrices' rows. Exact either way."""
+    fc has m > p, its proj p > m, the tied head V > d) or of the Gram matrices' rows (their graph form; the
+    kernel, dpcompile::gram_sq_norms, writes none). Exact either way."""
     from dpcompile.passes import per_sample_norms
 
     monkeypatch.setattr(per_sample_norms, "NORM_BLOCK_BYTES", 1024)
+    monkeypatch.setattr(per_sample_norms, "GRAM_KERNEL", False)
     torch.manual_seed(0)
     model = M.GPT(vocab=40, d=8, n_head=2, n_layer=1, max_t=8)
     ids, y = _ids(5, 8, 40), _ids(5, 8, 40)

@@ -1,0 +1,121 @@
+"""The ghost norm kernel (dpcompile.gram_sq_norms) on a ViT-S/16's and GPT-2-small's Linear shapes, against what
+it replaced (two Gram bmms in the operands' dtype with fp32 accumulation, their product and sum, compiled by
+Inductor; also with the rows zero-padded to a multiple of 8 first, as passes.aligned_contractions did for cuBLAS)
+and against the layer's weight gradient (one mm over all rows: the non-private step's cost of it): median GPU
+ms per layer, for tile configurations given on the command line.
+
+    python benchmarks/gram_norm_kernel.py [--dtypes bf16,fp32]
+        [--configs "64,64,4,3;32,64,4,3"]   (BLOCK_S,BLOCK_K,num_warps,num_stages; default: the kernel's choice)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dpcompile
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conv_norm_kernel import gpu_ms  # noqa: E402
+from dpcompile import gram_sq_norms  # noqa: E402
+
+# (name, samples, rows per sample, p, m): the Linear layers of one block
+LAYERS = [
+    ("vit-s16 qkv 384->1152", 64, 197, 384, 1152),
+    ("vit-s16 proj 384->384", 64, 197, 384, 384),
+    ("vit-s16 fc1 384->1536", 64, 197, 384, 1536),
+    ("vit-s16 fc2 1536->384", 64, 197, 1536, 384),
+    ("gpt2 qkv 768->2304 (32x256)", 32, 256, 768, 2304),
+    ("gpt2 proj 768->768", 32, 256, 768, 768),
+    ("gpt2 fc 768->3072", 32, 256, 768, 3072),
+    ("gpt2 proj 3072->768", 32, 256, 3072, 768),
+    ("gpt2 lm_head 768->50257", 32, 256, 768, 50257),
+]
+
+
+def host_us(a, g, n=2000) -> float:
+    """Host microseconds per launch() call (the GPU kept busy by the calls themselves; a tiny case)."""
+    import time
+
+    for _ in range(10):
+        gram_sq_norms.launch(a, g)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        gram_sq_norms.launch(a, g)
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return 1e6 * host / n
+
+
+def grams(a, g):
+    """The replaced form: [B, S, S] fp32 Grams (fp32 accumulation of the operands' dtype), product, sum."""
+    if a.dtype in (torch.bfloat16, torch.float16):
+        ga = torch.ops.aten.bmm.dtype(a, a.transpose(1, 2), torch.float32)
+        gg = torch.ops.aten.bmm.dtype(g, g.transpose(1, 2), torch.float32)
+    else:
+        ga, gg = torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2))
+    return (ga * gg).flatten(1).sum(1)
+
+
+def padded_grams(a, g):
+    pad = -a.shape[1] % 8
+    return grams(F.pad(a, (0, 0, 0, pad)), F.pad(g, (0, 0, 0, pad)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--configs", default="")
+    ap.add_argument("--layers", default="", help="substring filter on the layer names")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    tiny = torch.randn(2, 8, 16, device="cuda", dtype=torch.bfloat16)
+    print(f"host time per launch() of a tiny case: {host_us(tiny, tiny):.1f} us; through the op: ", end="")
+    import time
+    op = torch.ops.dpcompile.gram_sq_norms.default
+    for _ in range(10):
+        op(tiny, tiny)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(2000):
+        op(tiny, tiny)
+    print(f"{1e6 * (time.perf_counter() - t) / 2000:.1f} us")
+    configs = [None] + [dict(zip(("BLOCK_S", "BLOCK_K", "num_warps", "num_stages"), map(int, c.split(","))))
+                        for c in args.configs.split(";") if c]
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    head = ["layer", "dtype", "weight grad mm", "grams (compiled)", "padded grams (compiled)"] + \
+        ["kernel " + ("default" if c is None else ",".join(map(str, c.values()))) for c in configs]
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    sums = {}
+    for dname in args.dtypes.split(","):
+        for name, B, S, p, m in LAYERS:
+            if args.layers and args.layers not in name:
+                continue
+            torch.manual_seed(0)
+            a = torch.randn(B, S, p, device="cuda", dtype=dt[dname])
+            g = torch.randn(B, S, m, device="cuda", dtype=dt[dname])
+            ref = torch.bmm(a.double().transpose(1, 2), g.double()).square().flatten(1).sum(1)
+            row = [gpu_ms(lambda: torch.mm(a.flatten(0, 1).t(), g.flatten(0, 1)))]
+            for fn in (grams, padded_grams):
+                torch._dynamo.reset()
+                f = torch.compile(fn)
+                got = f(a, g).double()
+                assert float(((got - ref).abs() / ref).max()) < 1e-2, name
+                row.append(gpu_ms(lambda: f(a, g)))
+            for cfg in configs:
+                got = gram_sq_norms.launch(a, g, cfg).sum(1).double()
+                err = float(((got - ref).abs() / ref).max())
+                assert err < 1e-2, (name, cfg, err)
+                row.append(gpu_ms(lambda: gram_sq_norms.launch(a, g, cfg)))
+            for i, v in enumerate(row):
+                sums[(dname, i)] = sums.get((dname, i), 0.0) + v
+            print(f"| {name} | {dname} | " + " | ".join(f"{v:.3f}" for v in row) + " |", flush=True)
+        print(f"| sum | {dname} | " + " | ".join(f"{sums[(dname, i)]:.3f}" for i in range(len(head) - 2)) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The ghost form of a per-sample norm in one kernel: ``torch.ops.dpcompile.gram_sq_norms``.
+
+A contraction's per-sample weight gradient is A_i^T G_i (A_i [S, p] the sample's inputs, G_i [S, m] its output
+gradients, S rows per sample), and its squared norm is <A_i A_i^T, G_i G_i^T>: two [S, S] Gram matrices and the
+sum of their product. Written out in the graph that is two batched matmuls writing [B, S, S] fp32 each, a product
+and a reduction; on tokens of 197 (a ViT-S/16) also a zero-padded copy of both operands so that cuBLAS's
+operands are aligned (passes.aligned_contractions): a ViT-S/16 step at batch 64 in bf16 spent 0.7 ms of GPU time
+in those copies and 0.66 ms in the Gram matmuls on one H100. The kernel computes each tile pair of the two Gram
+matrices in registers, multiplies them and keeps the sum: nothing of size [B, S, S] exists, the operands are
+read where they lie (any strides), and since both Grams are symmetric only the tiles on and above the diagonal
+are computed (those off it count twice).
+
+Output: [B, parts] fp32 partial sums (one per tile pair, zero below the diagonal), summed by the caller: no
+atomics, so the norms are the same bits every run. CUDA runs the Triton kernel (the operands' dtype into fp32
+accumulation; fp32 operands use TF32 when ``torch.backends.cuda.matmul.allow_tf32`` allows it, as the bmm it
+replaces did); other devices the same sums with aten ops, in blocks of samples. Under ``TRITON_INTERPRET=1`` the
+Triton kernel runs on CPU tensors (``launch``): that is how it is tested without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+CPU_BLOCK_BYTES = 64 << 20  # the aten path: [n, S, S] Gram matrices of at most this many bytes at a time
+
+
+def kernel_dtype(a_dtype: torch.dtype, g_dtype: torch.dtype) -> torch.dtype:
+    """The operands' dtype in the kernel: theirs when both are one of fp16, bf16, fp32; else fp32."""
+    return a_dtype if a_dtype == g_dtype and a_dtype in (torch.float16, torch.bfloat16, torch.float32) else \
+        torch.float32
+
+
+def block(S: int, dtype: torch.dtype) -> int:
+    """Rows of a Gram tile (BLOCK_S) from the static rows per sample (the output's parts depend on it, so the
+    fake kernel computes the same; dtype: for a choice that may come to depend on it). Chosen on a ViT-S/16's
+    (197 tokens, batch 64) and GPT-2-small's (256 tokens, batch 32) Linear layers, one H100
+    (benchmarks/gram_norm_kernel.py): 128x128 tiles, 8 warps, in bf16 and fp32 (the 8 layers: bf16 0.29 ms,
+    fp32 0.42, against 0.30 and 0.53 in 64x64 tiles and 1.04 and 0.85 as compiled Gram matmuls)."""
+    return next(t for t in (128, 64, 32, 16) if S >= t or t == 16)
+
+
+def parts(S: int, dtype: torch.dtype) -> int:
+    return _tile_count(S, block(S, dtype)) ** 2
+
+
+def _tile_count(S: int, bs: int) -> int:
+    return -(-S // bs)
+
+
+def launch_config(bs: int) -> dict:
+    return {"BLOCK_S": bs, "BLOCK_K": 64, "num_warps": 8 if bs >= 128 else 4, "num_stages": 3}
+
+
+# Defined with torch.library's low-level API, as dpcompile::conv_weight_sq_norms is: custom_op's Python dispatch
+# costs tens of microseconds of host time per call, and a ViT's step calls this 48 times.
+_LIB = torch.library.Library("dpcompile", "FRAGMENT")
+_LIB.define("gram_sq_norms(Tensor a, Tensor g) -> Tensor")
+
+
+def gram_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """a: [B, S, p], g: [B, S, m], any strides. Returns [B, parts] fp32 partial sums of
+    sum_{s,t} (a_s . a_t)(g_s . g_t) per sample (the squared norm of a_i^T g_i), which add to it."""
+    if a.device.type == "cuda":
+        return launch(a, g)
+    return _aten(a, g)
+
+
+_LIB.impl("gram_sq_norms", gram_sq_norms, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dpcompile::gram_sq_norms", lib=_LIB)
+def _(a, g):
+    return a.new_empty([a.shape[0], parts(a.shape[1], kernel_dtype(a.dtype, g.dtype))], dtype=torch.float32)
+
+
+def _aten(a, g):
+    """The same sums with aten ops, a block of samples at a time; each sample's total in the first part."""
+    B, S = a.shape[0], a.shape[1]
+    out = torch.zeros(B, parts(S, kernel_dtype(a.dtype, g.dtype)), dtype=torch.float32, device=a.device)
+    if B == 0:
+        return out
+    acc = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
+    step = max(1, CPU_BLOCK_BYTES // (2 * S * S * acc.itemsize))
+    for lo in range(0, B, step):
+        ab, gb = a[lo:lo + step].to(acc), g[lo:lo + step].to(acc)
+        ga = torch.bmm(ab, ab.transpose(1, 2))
+        gg = torch.bmm(gb, gb.transpose(1, 2))
+        out[lo:lo + step, 0] = (ga * gg).flatten(1).sum(1).to(torch.float32)
+    return out
+
+
+_KERNEL = None
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _define_kernel()
+    return _KERNEL
+
+
+def _define_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg_f,
+                             S: tl.constexpr, P: tl.constexpr, M: tl.constexpr, TILES: tl.constexpr,
+                             BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        # One program per (sample, tile pair), a sample's pairs adjacent: they read the same rows, from L2.
+        pid = tl.program_id(0)
+        b = pid // (TILES * TILES)
+        i = pid % (TILES * TILES) // TILES
+        j = pid % TILES
+        out = out_ptr + pid
+        if j < i:  # the Gram matrices are symmetric: tile (j, i) counts for this one
+            tl.store(out, 0.0)
+        else:
+            offs_i = i * BLOCK_S + tl.arange(0, BLOCK_S)
+            offs_j = j * BLOCK_S + tl.arange(0, BLOCK_S)
+            mask_i = offs_i < S
+            mask_j = offs_j < S
+            # the two Gram tiles, [BLOCK_S, BLOCK_S] fp32 each: rows offs_i against rows offs_j of the sample's
+            # A [S, P] and G [S, M]
+            a_base = a_ptr + b.to(tl.int64) * sa_b
+            ga = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
+            for k0 in range(0, P, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < P
+                x = tl.load(a_base + offs_i[:, None] * sa_s + offs_k[None, :] * sa_f,
+                            mask=mask_i[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
+                y = tl.load(a_base + offs_j[None, :] * sa_s + offs_k[:, None] * sa_f,
+                            mask=mask_k[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_K, BLOCK_S]
+                ga = tl.dot(x, y, ga, input_precision=PRECISION)
+            g_base = g_ptr + b.to(tl.int64) * sg_b
+            gg = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
+            for k0 in range(0, M, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < M
+                x = tl.load(g_base + offs_i[:, None] * sg_s + offs_k[None, :] * sg_f,
+                            mask=mask_i[:, None] & mask_k[None, :], other=0.0)
+                y = tl.load(g_base + offs_j[None, :] * sg_s + offs_k[:, None] * sg_f,
+                            mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+                gg = tl.dot(x, y, gg, input_precision=PRECISION)
+            total = tl.sum(tl.sum(ga * gg, axis=1), axis=0)
+            tl.store(out, tl.where(i == j, total, 2.0 * total))
+
+    return gram_sq_norms_kernel
+
+
+_PLANS: dict = {}  # launch() arguments per call signature: a step repeats the same few, and host time counts
+
+
+def launch(a, g, config: dict | None = None):
+    """Runs the Triton kernel (on CPU tensors too under TRITON_INTERPRET=1). config: BLOCK_S, BLOCK_K, num_warps,
+    num_stages to try others (benchmarks/gram_norm_kernel.py); its parts then differ."""
+    dtype = kernel_dtype(a.dtype, g.dtype)
+    if a.dtype != dtype:
+        a = a.to(dtype)
+    if g.dtype != dtype:
+        g = g.to(dtype)
+    tf32 = dtype == torch.float32 and a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    key = (a.shape, a.stride(), g.shape, g.stride(), dtype, tf32, tuple(sorted(config.items())) if config else None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 4096:  # every batch size of a sampled batch is a signature
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(a, g, dtype, tf32, config)
+    B, n_parts, grid, args, consts = plan
+    out = torch.empty(B, n_parts, dtype=torch.float32, device=a.device)
+    if B:
+        _kernel()[grid](a, g, out, *args, **consts)
+    return out
+
+
+def _plan(a, g, dtype, tf32, config):
+    """(B, parts, grid, the kernel's other positional arguments, its keyword ones) for one call signature."""
+    B, S, P = a.shape
+    cfg = {**launch_config(block(S, dtype)), **(config or {})}
+    tiles = _tile_count(S, cfg["BLOCK_S"])
+    precision = ("tf32" if tf32 else "ieee") if dtype == torch.float32 else None
+    consts = dict(S=S, P=P, M=g.shape[2], TILES=tiles, PRECISION=precision, **cfg)
+    return B, tiles * tiles, (B * tiles * tiles,), (*a.stride(), *g.stride()), consts

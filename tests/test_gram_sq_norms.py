@@ -1,0 +1,99 @@
+"""The ghost norm kernel (dpcompile.gram_sq_norms): the Triton kernel under TRITON_INTERPRET=1, the aten path, and
+the rewrite that calls it for every ghost-form norm with static rows per sample (Linear over sequences, a
+convolution's unfolded windows), counted, said in the summary, exact against the oracle in both schedules."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dpcompile
+import gram_kernel_check
+import models as M
+from dpcompile import gram_sq_norms
+from helpers import check_against_reference
+
+
+def test_triton_kernel_matches_per_sample_gradient_norms_interpreted():
+    # TRITON_INTERPRET must be set before triton is imported: a process of its own (bf16: the GPU test)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "gram_kernel_check.py")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert len(report) == 2 * len(gram_kernel_check.CASES), report
+    assert max(report.values()) < 1e-5, report
+
+
+def test_aten_path_matches_per_sample_gradient_norms():
+    worst = gram_kernel_check.errors(gram_sq_norms._aten, "cpu", [torch.float64, torch.float32])
+    assert max(worst.values()) < 1e-6, worst  # fp32 output: fp64 operands to its rounding
+
+
+def test_aten_path_in_blocks_of_samples(monkeypatch):
+    monkeypatch.setattr(gram_sq_norms, "CPU_BLOCK_BYTES", 1)  # one sample at a time
+    worst = gram_kernel_check.errors(gram_sq_norms._aten, "cpu", [torch.float64])
+    assert max(worst.values()) < 1e-6, worst
+
+
+def test_tiles_and_parts():
+    # the fake kernel's parts are the launch's: a tile pair each, the ones below the diagonal zero
+    assert gram_sq_norms.parts(197, torch.bfloat16) == 4 and gram_sq_norms.parts(100, torch.float32) == 4
+    assert gram_sq_norms.parts(7, torch.float32) == 1
+    a, g = torch.randn(3, 130, 5), torch.randn(3, 130, 6)
+    fake = torch.library.opcheck(torch.ops.dpcompile.gram_sq_norms.default, (a, g))
+    assert all(v == "SUCCESS" for v in fake.values()), fake
+    out = torch.ops.dpcompile.gram_sq_norms(a, g)
+    assert out.shape == (3, gram_sq_norms.parts(130, torch.float32))
+
+
+class SeqAndPatches(torch.nn.Module):
+    """A patch embedding (strided conv, ghost form over its unfolded patches), Linear layers over the tokens
+    (ghost form: tokens^2 (p + m) < tokens p m), one of them grouped conv over tokens (ghost per group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 24, 4, stride=4)
+        self.mix = torch.nn.Conv1d(24, 24, 3, padding=1, groups=2)
+        self.fc1 = torch.nn.Linear(24, 96)
+        self.fc2 = torch.nn.Linear(96, 24)
+        self.head = torch.nn.Linear(24, 3)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2)  # [B, 24, 9]
+        t = (t + torch.tanh(self.mix(t))).transpose(1, 2)  # [B, 9 tokens, 24]
+        t = t + self.fc2(torch.tanh(self.fc1(t)))
+        return self.head(t.mean(1))
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("batch", ["static", "marked"])
+def test_ghost_norms_take_the_kernel_and_match_the_oracle(schedule, batch):
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3, 12, 12), torch.randn(5, 3)
+    if batch == "marked":  # an unbacked batch size: the fake kernel's [u0, parts]
+        dpcompile.mark_batch(x, y)
+    backend = check_against_reference(SeqAndPatches(), M.mse, (x,), (y,), schedule=schedule, linear_norm="ghost",
+                                      conv_norm="ghost")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    # fc1, fc2 (head: one row per sample, rank one); patch; mix: one Gram pair per group, in one call
+    assert rec.counters["norm_mm_ghost"] == 2 and rec.counters["gram_norm_kernels"] == 4, rec.counters
+    params = rec.summary["params"]
+    for name in ("fc1.weight", "fc2.weight", "patch.weight", "mix.weight"):
+        assert params[name]["norm"] == "ghost" and "dpcompile::gram_sq_norms" in params[name]["why"], params[name]
+    assert "gram_sq_norms" not in params["head.weight"]["why"]
+
+
+def test_kernel_off_keeps_the_graph_form(monkeypatch):
+    from dpcompile.passes import per_sample_norms
+
+    monkeypatch.setattr(per_sample_norms, "GRAM_KERNEL", False)
+    torch.manual_seed(0)
+    backend = check_against_reference(SeqAndPatches(), M.mse, (torch.randn(4, 3, 12, 12),), (torch.randn(4, 3),),
+                                      schedule="bk", linear_norm="ghost", conv_norm="ghost", compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert rec.counters.get("gram_norm_kernels", 0) == 0 and rec.counters["norm_mm_ghost"] == 2, rec.counters

@@ -126,6 +126,23 @@ def opacus_step(model: nn.Module, batch: int, autocast):
     return step
 
 
+def host_profile(folder: str, stem: str, step, top: int = 40) -> None:
+    """Three more steps under torch.profiler with CPU activity: the host ops with the most self CPU time per step
+    (where a launch-bound step's host time goes), as text in DIR and printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90)
+    with open(os.path.join(folder, stem + ".txt"), "w") as f:
+        f.write(table)
+    print(f"host profile {stem} (3 steps):\n" + "\n".join(table.splitlines()[:top // 2 + 4]), flush=True)
+
+
 def norm_forms(fn) -> dict | None:
     """How dpcompile computed the per-sample norms (counters norm_*: conv ghost or direct, linear ...). private_step
     hands equal options one backend, whose records pile up over shapes and dtypes: this mode's is the last."""
@@ -192,6 +209,8 @@ def measure(shape: str, dtype: str, mode: str, args, device: torch.device) -> di
     kernels = kernel_profile({"kernel_profile": args.kernel_profile, "model": shape, "B": batch, "T": side,
                               "dtype": dtype, "mode": "-".join([mode] + [f"{k}-{v}" for k, v in dp_options(args).items()])},
                              lambda: step(x, y), device) if args.kernel_profile else None
+    if args.host_profile:
+        host_profile(args.host_profile, f"{shape}_{dtype}_{mode}", lambda: step(x, y))
     return {**row, "status": "ok", "kernel_profile": kernels, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "compile_and_warmup_s": warm_s, "first_loss": first_loss,
@@ -261,6 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-profile", default=None, metavar="DIR",
                     help="CUDA: one more step of each mode under torch.profiler; every GPU kernel's count and time "
                          "as JSON in DIR")
+    ap.add_argument("--host-profile", default=None, metavar="DIR",
+                    help="CUDA: three more steps of each mode under torch.profiler with CPU activity; the host ops "
+                         "with the most self CPU time, as text in DIR")
     ap.add_argument("--gram-kernel", default=None, choices=["on", "off"],
                     help="off: ghost-form norms as Gram matmuls in the graph, not dpcompile::gram_sq_norms (A/B; "
                          "default: dpcompile's, on unless DPCOMPILE_GRAM_KERNEL=0)")

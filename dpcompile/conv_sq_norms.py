@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from .kernel_plans import cached_plan, kernel_dtype
+
 CPU_BLOCK_BYTES = 64 << 20  # the aten path: per-sample gradients of at most this many bytes at a time
 
 
@@ -33,12 +35,6 @@ def supported(e_shape, x_shape, weight_shape, transposed: bool, groups: int) -> 
         return False
     cout_g = weight_shape[0] // groups
     return cout_g >= 16 and weight_shape[1] * math.prod(weight_shape[2:]) >= 16
-
-
-def kernel_dtype(e_dtype: torch.dtype, x_dtype: torch.dtype) -> torch.dtype:
-    """The operands' dtype in the kernel: theirs when both are one of fp16, bf16, fp32; else fp32."""
-    return e_dtype if e_dtype == x_dtype and e_dtype in (torch.float16, torch.bfloat16, torch.float32) else \
-        torch.float32
 
 
 def tiles(cout_g: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -135,89 +131,7 @@ def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows):
     return out
 
 
-_KERNEL = None
-
-
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _define_kernel()
-    return _KERNEL
-
-
-def _define_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def conv_weight_sq_norms_kernel(
-            e_ptr, x_ptr, out_ptr,
-            se_b, se_c, se_h, se_w, sx_b, sx_c, sx_h, sx_w,
-            ROWS: tl.constexpr, COUT_G: tl.constexpr, CIN_G: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
-            H: tl.constexpr, W: tl.constexpr, GROUPS: tl.constexpr, PARTS: tl.constexpr, N_POS: tl.constexpr,
-            KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
-            PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
-        # The geometry is constexpr (a kernel per layer shape): the index arithmetic of every step divides by
-        # constants. One program per (sample and group, tile), a sample's tiles adjacent: they run at about
-        # the same time and read the same rows of e and x, so those come from L2 once per sample, not once
-        # per tile (WRN-16-4 bf16, H100: the step's 12 launches 0.87 -> 0.78 ms).
-        n_cols: tl.constexpr = CIN_G * KH * KW
-        tiles_m: tl.constexpr = (COUT_G + BLOCK_M - 1) // BLOCK_M
-        tiles_n: tl.constexpr = (n_cols + BLOCK_N - 1) // BLOCK_N
-        # a tile within one kernel tap (BLOCK_N divides the channels): its columns are channels at one
-        # (kh, kw), so a position's window offset and padding test are one value per position, not per entry
-        one_tap: tl.constexpr = CIN_G % BLOCK_N == 0
-        pid = tl.program_id(0)
-        pid_bg = pid // (tiles_m * tiles_n)
-        pid_m = pid % (tiles_m * tiles_n) // tiles_n
-        pid_n = pid % tiles_n
-        b = pid_bg // GROUPS
-        g = pid_bg % GROUPS
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output channel within the group
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column: (kernel position, input channel)
-        if one_tap:
-            ci = (pid_n * BLOCK_N) % CIN_G + tl.arange(0, BLOCK_N)
-            kpos = (pid_n * BLOCK_N) // CIN_G
-        else:
-            ci = offs_n % CIN_G
-            kpos = offs_n // CIN_G
-        kh = kpos // KW
-        kw = kpos % KW
-        mask_m = offs_m < COUT_G
-        mask_n = offs_n < n_cols
-        e_base = e_ptr + (g * COUT_G + offs_m)[:, None] * se_c
-        x_base = x_ptr + (g * CIN_G + ci)[None, :] * sx_c
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for p0 in range(0, N_POS, BLOCK_P):  # N_POS = ROWS * OH * OW: a sample's positions
-            offs_p = p0 + tl.arange(0, BLOCK_P)
-            mask_p = offs_p < N_POS
-            row = b * ROWS + offs_p // (OH * OW)
-            pos = offs_p % (OH * OW)
-            oh = pos // OW
-            ow = pos % OW
-            e_tile = tl.load(e_base + (row * se_b + oh * se_h + ow * se_w)[None, :],
-                             mask=mask_m[:, None] & mask_p[None, :], other=0.0)  # [BLOCK_M, BLOCK_P]
-            if one_tap:
-                ih = oh * SH - PH + kh * DH
-                iw = ow * SW - PW + kw * DW
-                inside = mask_p & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                x_tile = tl.load(x_base + (row * sx_b + ih * sx_h + iw * sx_w)[:, None],
-                                 mask=inside[:, None], other=0.0)  # [BLOCK_P, BLOCK_N]
-            else:
-                ih = (oh * SH - PH)[:, None] + (kh * DH)[None, :]
-                iw = (ow * SW - PW)[:, None] + (kw * DW)[None, :]
-                inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                x_tile = tl.load(x_base + (row * sx_b)[:, None] + ih * sx_h + iw * sx_w,
-                                 mask=mask_p[:, None] & mask_n[None, :] & inside, other=0.0)  # [BLOCK_P, BLOCK_N]
-            acc = tl.dot(e_tile, x_tile, acc, input_precision=PRECISION)
-        part = (g * tiles_m + pid_m) * tiles_n + pid_n
-        tl.store(out_ptr + b * PARTS + part, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
-
-    return conv_weight_sq_norms_kernel
-
-
-_PLANS: dict = {}  # launch() arguments per call signature: a step repeats the same few, and host time counts
+_PLANS: dict = {}  # launch() arguments per call signature (kernel_plans.cached_plan)
 
 
 def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: dict | None = None):
@@ -232,15 +146,13 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
     tf32 = dtype == torch.float32 and e.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     key = (e4.shape, e4.stride(), x4.shape, x4.stride(), dtype, tf32, tuple(weight_shape), tuple(stride),
            tuple(padding), tuple(dilation), groups, rows, tuple(sorted(config.items())) if config else None)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 4096:  # every batch size of a sampled batch is a signature
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config)
-    B, n_parts, grid, args, consts = plan
+    B, n_parts, grid, args, consts = cached_plan(
+        _PLANS, key, lambda: _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=e.device)
     if B:
-        _kernel()[grid](e4, x4, out, *args, **consts)
+        from dpcompile import triton_kernels
+
+        triton_kernels.conv_weight_sq_norms_kernel[grid](e4, x4, out, *args, **consts)
     return out
 
 

@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from .kernel_plans import cached_plan, kernel_dtype
+
 CPU_BLOCK_BYTES = 64 << 20  # the aten path: [n, S, S] Gram matrices of at most this many bytes at a time
-
-
-def kernel_dtype(a_dtype: torch.dtype, g_dtype: torch.dtype) -> torch.dtype:
-    """The operands' dtype in the kernel: theirs when both are one of fp16, bf16, fp32; else fp32."""
-    return a_dtype if a_dtype == g_dtype and a_dtype in (torch.float16, torch.bfloat16, torch.float32) else \
-        torch.float32
 
 
 def block(S: int, dtype: torch.dtype) -> int:
@@ -88,66 +84,7 @@ def _aten(a, g):
     return out
 
 
-_KERNEL = None
-
-
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _define_kernel()
-    return _KERNEL
-
-
-def _define_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg_f,
-                             S: tl.constexpr, P: tl.constexpr, M: tl.constexpr, TILES: tl.constexpr,
-                             BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        # One program per (sample, tile pair), a sample's pairs adjacent: they read the same rows, from L2.
-        pid = tl.program_id(0)
-        b = pid // (TILES * TILES)
-        i = pid % (TILES * TILES) // TILES
-        j = pid % TILES
-        out = out_ptr + pid
-        if j < i:  # the Gram matrices are symmetric: tile (j, i) counts for this one
-            tl.store(out, 0.0)
-        else:
-            offs_i = i * BLOCK_S + tl.arange(0, BLOCK_S)
-            offs_j = j * BLOCK_S + tl.arange(0, BLOCK_S)
-            mask_i = offs_i < S
-            mask_j = offs_j < S
-            # the two Gram tiles, [BLOCK_S, BLOCK_S] fp32 each: rows offs_i against rows offs_j of the sample's
-            # A [S, P] and G [S, M]
-            a_base = a_ptr + b.to(tl.int64) * sa_b
-            ga = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
-            for k0 in range(0, P, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < P
-                x = tl.load(a_base + offs_i[:, None] * sa_s + offs_k[None, :] * sa_f,
-                            mask=mask_i[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
-                y = tl.load(a_base + offs_j[None, :] * sa_s + offs_k[:, None] * sa_f,
-                            mask=mask_k[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_K, BLOCK_S]
-                ga = tl.dot(x, y, ga, input_precision=PRECISION)
-            g_base = g_ptr + b.to(tl.int64) * sg_b
-            gg = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
-            for k0 in range(0, M, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < M
-                x = tl.load(g_base + offs_i[:, None] * sg_s + offs_k[None, :] * sg_f,
-                            mask=mask_i[:, None] & mask_k[None, :], other=0.0)
-                y = tl.load(g_base + offs_j[None, :] * sg_s + offs_k[:, None] * sg_f,
-                            mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-                gg = tl.dot(x, y, gg, input_precision=PRECISION)
-            total = tl.sum(tl.sum(ga * gg, axis=1), axis=0)
-            tl.store(out, tl.where(i == j, total, 2.0 * total))
-
-    return gram_sq_norms_kernel
-
-
-_PLANS: dict = {}  # launch() arguments per call signature: a step repeats the same few, and host time counts
+_PLANS: dict = {}  # launch() arguments per call signature (kernel_plans.cached_plan)
 
 
 def launch(a, g, config: dict | None = None):
@@ -160,15 +97,12 @@ def launch(a, g, config: dict | None = None):
         g = g.to(dtype)
     tf32 = dtype == torch.float32 and a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     key = (a.shape, a.stride(), g.shape, g.stride(), dtype, tf32, tuple(sorted(config.items())) if config else None)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 4096:  # every batch size of a sampled batch is a signature
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(a, g, dtype, tf32, config)
-    B, n_parts, grid, args, consts = plan
+    B, n_parts, grid, args, consts = cached_plan(_PLANS, key, lambda: _plan(a, g, dtype, tf32, config))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=a.device)
     if B:
-        _kernel()[grid](a, g, out, *args, **consts)
+        from dpcompile import triton_kernels
+
+        triton_kernels.gram_sq_norms_kernel[grid](a, g, out, *args, **consts)
     return out
 
 

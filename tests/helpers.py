@@ -1,6 +1,11 @@
 """Run one DP step through the backend and compare with the vmap oracle."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
 
 import dpcompile
@@ -45,3 +50,15 @@ def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule
         tol = atol + 1e-6 * float(ref[name].abs().max())
         torch.testing.assert_close(p.grad.double(), ref[name], rtol=rtol, atol=tol, msg=lambda m: f"{name}: {m}")
     return backend
+
+
+def run_interpreted(script: str) -> dict:
+    """Runs tests/<script> with TRITON_INTERPRET=1 in a process of its own (the variable must be set before triton
+    is imported) with this checkout's dpcompile first on the path; its JSON report."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(here)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    out = subprocess.run([sys.executable, os.path.join(here, script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)

@@ -1,29 +1,18 @@
 """The per-sample conv norm kernel (dpcompile.conv_sq_norms): the Triton kernel under TRITON_INTERPRET=1, the aten
 path, and the graph rewrite that calls them (counted per layer)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import conv_kernel_check
 import models as M
 from dpcompile import conv_sq_norms
-from helpers import check_against_reference
+from helpers import check_against_reference, run_interpreted
 
 
 def test_triton_kernel_matches_autograd_per_sample_gradients_interpreted():
-    # TRITON_INTERPRET must be set before triton is imported: a process of its own. (bf16 is not checked here:
-    # triton 3.6's interpreter loads bf16 wrongly, the GPU test checks it; fp16 takes the same dot path.)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dpcompile from this checkout, installed or not
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "conv_kernel_check.py")],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    # (bf16 is not checked here: triton 3.6's interpreter loads bf16 wrongly, the GPU test checks it; fp16 takes the
+    # same dot path)
+    report = run_interpreted("conv_kernel_check.py")
     assert len(report["fp"]) == 2 * len(conv_kernel_check.CASES), report
     for key, err in report["fp"].items():
         assert err < (1e-5 if key.endswith("float32") else 2e-3), (key, err)  # fp16 products, fp32 sums

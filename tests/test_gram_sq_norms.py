@@ -1,11 +1,6 @@
 """The ghost norm kernel (dpcompile.gram_sq_norms): the Triton kernel under TRITON_INTERPRET=1, the aten path, and
 the rewrite that calls it for every ghost-form norm with static rows per sample (Linear over sequences, a
 convolution's unfolded windows), counted, said in the summary, exact against the oracle in both schedules."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -13,18 +8,11 @@ import dpcompile
 import gram_kernel_check
 import models as M
 from dpcompile import gram_sq_norms
-from helpers import check_against_reference
+from helpers import check_against_reference, run_interpreted
 
 
 def test_triton_kernel_matches_per_sample_gradient_norms_interpreted():
-    # TRITON_INTERPRET must be set before triton is imported: a process of its own (bf16: the GPU test)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "gram_kernel_check.py")],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = run_interpreted("gram_kernel_check.py")  # bf16: the GPU test
     assert len(report) == 2 * len(gram_kernel_check.CASES), report
     assert max(report.values()) < 1e-5, report
 

@@ -22,8 +22,8 @@ from dpcompile.batching import batch_sizes, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
-from dpcompile.compat import (cache_serves_sharded_steps, guard_empty_y_grid, hf_expand_position_ids,
-                              hint_mix_order_split)
+from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
+                              hf_expand_position_ids, hint_mix_order_split)
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
@@ -190,6 +190,21 @@ def check_sharding(inputs: list[GraphInput], example_inputs) -> TPMesh | None:
         raise DPValueError(f"dp_fsdp: parameters live on different device meshes ({desc}); shard all of them "
                            f"with fully_shard(..., mesh=<one mesh>)")
     return tp_mesh([(gi.name, ex) for gi, ex in tp]) if tp else None
+
+
+def refuse_cpp_wrapper_with_opaque_inputs(cpp_wrapper: bool, inputs: list[GraphInput], example_inputs) -> None:
+    """Inductor's C++ wrapper takes tensors and numbers as graph inputs; torch 2.13 also hands a sharded step's
+    device meshes to the graph (compat.meshes_are_graph_inputs), which the C++ wrapper cannot take (it fails at
+    the first run, "object of type 'DeviceMesh' has no len()"). Refused at compile time, with what to do."""
+    if not (cpp_wrapper or torch._inductor.config.cpp_wrapper):
+        return
+    plain = (torch.Tensor, int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+    opaque = [f"{gi.name} ({type(ex).__name__})" for gi, ex in zip(inputs, example_inputs) if not isinstance(ex, plain)]
+    if opaque:
+        raise DPValueError(
+            f"cpp_wrapper=True cannot compile this step: torch {torch.__version__}'s Inductor C++ wrapper does not "
+            f"take the graph inputs {', '.join(opaque)} (a sharded step's device meshes). Drop cpp_wrapper (and "
+            f"Inductor's global cpp_wrapper) for sharded steps; cudagraphs=True also removes the per-kernel host cost.")
 
 
 def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split: Split | None) -> None:
@@ -534,6 +549,12 @@ class DPBackend:
                 f"fall back to eager execution, which would produce non-private gradients."
             ) from e
 
+    def _codegen_patches(self) -> dict:
+        """Inductor settings of the code it generates that the options choose (cpp_wrapper only when asked for:
+        a global ``torch._inductor.config.cpp_wrapper = True`` stays in force otherwise)."""
+        cpp = {"cpp_wrapper": True} if self.config.cpp_wrapper else {}
+        return {"triton.cudagraphs": self.config.cudagraphs, **cpp}
+
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
                     tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool) -> Callable:
         from torch._inductor.compile_fx import compile_fx
@@ -541,7 +562,7 @@ class DPBackend:
         def not_donated(n: int) -> None:
             record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
 
-        cudagraphs = {"triton.cudagraphs": self.config.cudagraphs}
+        codegen = self._codegen_patches()
         with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
             # TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces the cache on whatever the patch says:
             # then a compile it must not serve gets a key no entry has (Inductor's FX graph cache, keyed by
@@ -571,7 +592,7 @@ class DPBackend:
                 # all-reduce in the profile"); without it the graph's order, which waits where the clip
                 # coefficients are needed, stands
                 **({"reorder_for_peak_memory": False} if tp is not None else {}),
-                **cudagraphs,
+                **codegen,
             }, **inner)
 
     def _compile(self, gm: fx.GraphModule, example_inputs) -> Callable:
@@ -588,6 +609,7 @@ class DPBackend:
             require_unbacked_batch(gm, inputs)
         guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
         hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
+        cpp_wrapper_any_args()  # a sharded graph's collectives under Inductor's C++ wrapper (torch 2.13)
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second
         self.noise.rank = _noise_rank(inputs, example_inputs)
         # tensor parallel: a shard's noise comes from this rank's stream, a replica's from one stream that
@@ -600,10 +622,10 @@ class DPBackend:
         record.graphs["dynamo"] = graph_text(gm)
         dumper.dump("dynamo_graph", record.graphs["dynamo"])
         inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
-        cudagraphs = {"triton.cudagraphs": self.config.cudagraphs}
+        codegen = self._codegen_patches()
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
-            return compile_fx(gm, example_inputs, config_patches=cudagraphs, **inner)
+            return compile_fx(gm, example_inputs, config_patches=codegen, **inner)
 
         split = describe_split(gm)
         reason = getattr(gm, "compile_subgraph_reason", None)
@@ -620,6 +642,7 @@ class DPBackend:
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         distributed = any(gi.sharded or gi.tp for gi in inputs)
+        refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)
         part = DPPartitioner(self, record, dumper, split, tp, rank_layout(example_inputs) if distributed else "")
         aot_cache = torch._functorch.config.enable_autograd_cache and aot_cache_allowed(
             self.config, dumps_wanted=dumper.folder is not None) and (not distributed or cache_serves_sharded_steps())
@@ -749,7 +772,6 @@ def _with_extra_inputs(gm: fx.GraphModule, extra: list[tuple[str, torch.Tensor]]
         with new_graph.inserting_after(last):
             ph = new_graph.placeholder(name)
         ph.meta["example_value"] = example
-        ph.meta["val"] = example
         ph._dynamo_source = None  # not a user input
     new.recompile()
     return new

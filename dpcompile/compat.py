@@ -42,6 +42,15 @@ unbacked batch size dynamo cannot decide that (is the batch 1?) and breaks the
 step. ``hf_expand_position_ids`` expands such position ids before the call:
 for a batch of 1 ``expand(1, ...)`` is the tensor itself, for any other size
 it is what the function does, so the mask is the same for every batch size.
+
+torch 2.13 types the process-group argument of the functional collectives
+``Any`` (``_c10d_functional.all_gather_into_tensor(Tensor input, int
+group_size, Any group_name)``: a name or a group object), and Inductor's C++
+wrapper (``cpp_wrapper``) has no conversion for an ``Any`` argument, so a
+sharded step with ``cpp_wrapper=True`` fails to compile ("arg type Any is not
+yet supported by custom_op_wrapper"). ``cpp_wrapper_any_args`` converts an
+``Any`` argument whose value in the graph is a string or a number as that
+type; any other value still raises there.
 """
 from __future__ import annotations
 
@@ -127,6 +136,28 @@ def hint_mix_order_split() -> None:
     codegen._dpcompile_guarded = True  # type: ignore[attr-defined]
     codegen._dpcompile_original = original  # type: ignore[attr-defined]
     SIMDScheduling._codegen_mix_order_reduction = codegen
+
+
+def cpp_wrapper_any_args() -> None:
+    try:
+        import torch
+        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    except ImportError:
+        return
+    original = getattr(CppWrapperCpu, "generate_py_arg", None)
+    if original is None or getattr(original, "_dpcompile_guarded", False):
+        return
+
+    def generate_py_arg(self, py_args_var, idx, raw_arg, arg_type):
+        if isinstance(arg_type, torch.AnyType):
+            if isinstance(raw_arg, str):
+                arg_type = torch.StringType.get()
+            elif isinstance(raw_arg, (bool, int, float)):
+                arg_type = torch.NumberType.get()
+        return original(self, py_args_var, idx, raw_arg, arg_type)
+
+    generate_py_arg._dpcompile_guarded = True  # type: ignore[attr-defined]
+    CppWrapperCpu.generate_py_arg = generate_py_arg
 
 
 def size_oblivious_nll_loss_nd() -> None:
@@ -261,4 +292,10 @@ def cache_serves_sharded_steps() -> bool:
 def reflection_pad_takes_unbacked_batch() -> bool:
     """torch 2.13's reflection_pad meta traces an unbacked batch size; 2.11's checks it against 0 (Ne(u0, 0),
     a GPU run): dynamo breaks the graph there, which dpcompile refuses as a partial step."""
+    return _torch_at_least(2, 13)
+
+
+def meshes_are_graph_inputs() -> bool:
+    """torch 2.13 hands a sharded step's device meshes to the compiled graph as opaque inputs (the cache keys
+    them: dpcompile.compile_cache.stable_mesh_keys); 2.11 bakes them into the graph."""
     return _torch_at_least(2, 13)

@@ -56,6 +56,12 @@ class DPConfig:
         steps (``dpcompile.accumulate()``, ``zero_grad(set_to_none=False)``)
         are copied out before the next step runs. CUDA only; needs
         ``compiler="inductor"``.
+    cpp_wrapper: Inductor's C++ wrapper for the compiled forward and backward
+        (``torch._inductor.config.cpp_wrapper``): the host code that allocates
+        buffers and launches kernels is compiled C++ rather than Python, for
+        launch-bound steps, at the cost of a C++ compile per graph. Needs
+        ``compiler="inductor"``. (Setting Inductor's global
+        ``cpp_wrapper`` works too.)
     """
 
     max_grad_norm: float
@@ -72,6 +78,7 @@ class DPConfig:
     conv_norm: str = "auto"
     compiler: str = "inductor"
     cudagraphs: bool = False
+    cpp_wrapper: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -100,6 +107,11 @@ class DPConfig:
             bad(f"cudagraphs must be True or False, got {self.cudagraphs!r}")
         if self.cudagraphs and self.compiler != "inductor":
             bad(f"cudagraphs=True needs compiler='inductor' (CUDA graphs capture Inductor's kernels), "
+                f"got compiler={self.compiler!r}")
+        if not isinstance(self.cpp_wrapper, bool):
+            bad(f"cpp_wrapper must be True or False, got {self.cpp_wrapper!r}")
+        if self.cpp_wrapper and self.compiler != "inductor":
+            bad(f"cpp_wrapper=True needs compiler='inductor' (it is how Inductor's code launches its kernels), "
                 f"got compiler={self.compiler!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad(f"seed must be an int or None, got {self.seed!r}")

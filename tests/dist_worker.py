@@ -157,8 +157,8 @@ def shard_like_a_user(model, mesh, blocks=(), **kwargs):
 
 def every_case(rank, world, init_file, out_dir, runs):
     """Runs (case name in cases.SHARDED_CASES, schedule, form) sharded on 2 ranks. The form is "compile" or
-    "private_step", with flags "+pad" (contractions padded as on CUDA), "+eager" (compiler="eager") and
-    "+recompute" (the ghost second backward recomputes every forward contraction it can).
+    "private_step", with flags "+pad" (contractions padded as on CUDA), "+eager" (compiler="eager"), "+cpp"
+    (cpp_wrapper=True) and "+recompute" (the ghost second backward recomputes every forward contraction it can).
 
     Steps with per-rank batch sizes SHARDED_STEPS (different data on each rank; the (5, 3) step accumulated
     from 2 micro-batches per rank); after each, every rank's gathered gradient must equal the float64 oracle
@@ -203,6 +203,8 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     form, *flags = form.split("+")
     if "eager" in flags:
         options["compiler"] = "eager"
+    if "cpp" in flags:  # Inductor's C++ wrapper launches the kernels (collectives and dpcompile's ops included)
+        options["cpp_wrapper"] = True
     from dpcompile.passes import aligned_contractions, second_backward_recompute
 
     patches = []

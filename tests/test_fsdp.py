@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 
 import dist_worker
-from dpcompile.compat import dtensor_takes_unbacked_batch
+from dpcompile.compat import dtensor_takes_unbacked_batch, meshes_are_graph_inputs
 from cases import SHARDED_CASES, SHARDED_EAGER_ONLY, check_case_invariants
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
@@ -117,6 +117,21 @@ def test_sharded_matches_single_process_reference(case, schedule, form, sharded_
         assert (r["recomputed"] > 0) == ("+recompute" in form), r
         if "llama" in case:  # view(B, T, H, -1): the tracer assumed B != 0; a rank with no samples runs anyway
             assert r["counters"]["nonempty_batch_asserts_removed"] >= 1, r["counters"]
+
+
+def test_cpp_wrapper_sharded(tmp_path):
+    """cpp_wrapper=True on 2 ranks: where torch hands the device meshes to the graph (2.13) Inductor's C++ wrapper
+    cannot take them, and the step is refused at compile time with what to do, on every rank; elsewhere the step
+    runs exact against the oracle, the kernels launched from C++."""
+    spawn(dist_worker.every_case, str(tmp_path), [("gpt", "bk", "compile+cpp")], timeout=900)
+    for rank, results in enumerate(_read(tmp_path, prefix="cases")):
+        r = results["gpt-bk-compile+cpp"]
+        if meshes_are_graph_inputs():
+            assert r["error"] is not None and "cpp_wrapper=True cannot compile this step" in r["error"], r
+            assert "DeviceMesh" in r["error"] and "Drop cpp_wrapper" in r["error"], r["error"]
+        else:
+            assert r["error"] is None, f"rank {rank}:\n{r['error']}"
+            assert r["clipped"] > 0 and r["unclipped"] > 0 and r["compiler"] == "inductor", r
 
 
 @pytest.mark.parametrize("case,schedule", [("gpt", "bk"), ("llama", "ghost")])

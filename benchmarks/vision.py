@@ -86,8 +86,11 @@ def torch_step(mode: str, model: nn.Module, batch: int, autocast, compiler: str,
         return loss.detach()
 
     if mode == "nonprivate":
+        stock = {"options": {"triton.cudagraphs": True, "cpp_wrapper": True}} if options.get("cudagraphs") and \
+            options.get("cpp_wrapper") else {"options": {"cpp_wrapper": True}} if options.get("cpp_wrapper") else \
+            {"mode": "reduce-overhead"} if options.get("cudagraphs") else {}
         fn = torch.compile(train_step, backend="inductor" if compiler == "inductor" else "aot_eager_decomp_partition",
-                           mode="reduce-overhead" if options.get("cudagraphs") else None)
+                           **stock)
     else:
         fn = dpcompile.private_step(train_step, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=batch,
                                     schedule=mode, compiler=compiler, **options)
@@ -153,7 +156,8 @@ def norm_forms(fn) -> dict | None:
 def dp_options(args) -> dict:
     """dpcompile options from the command line (the defaults where not given)."""
     opts = {k: v for k, v in (("conv_norm", args.conv_norm), ("linear_norm", args.linear_norm)) if v is not None}
-    return {**opts, "cudagraphs": True} if args.cudagraphs else opts
+    opts = {**opts, "cudagraphs": True} if args.cudagraphs else opts
+    return {**opts, "cpp_wrapper": True} if args.cpp_wrapper else opts
 
 
 def base_row(shape: str, dtype: str, mode: str, args) -> dict:
@@ -277,6 +281,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cudagraphs", action="store_true",
                     help="CUDA graphs on both sides: the non-private step with mode='reduce-overhead', dpcompile's "
                          "with cudagraphs=True (its analogue)")
+    ap.add_argument("--cpp-wrapper", action="store_true",
+                    help="Inductor's C++ wrapper on both sides: the non-private step with options={'cpp_wrapper': True}, "
+                         "dpcompile's with cpp_wrapper=True")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR",
                     help="CUDA: one more step of each mode under torch.profiler; every GPU kernel's count and time "
                          "as JSON in DIR")

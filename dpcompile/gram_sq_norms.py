@@ -25,17 +25,17 @@ from .kernel_plans import cached_plan, kernel_dtype
 CPU_BLOCK_BYTES = 64 << 20  # the aten path: [n, S, S] Gram matrices of at most this many bytes at a time
 
 
-def block(S: int, dtype: torch.dtype) -> int:
+def block(S: int) -> int:
     """Rows of a Gram tile (BLOCK_S) from the static rows per sample (the output's parts depend on it, so the
-    fake kernel computes the same; dtype: for a choice that may come to depend on it). Chosen on a ViT-S/16's
+    fake kernel computes the same). Chosen on a ViT-S/16's
     (197 tokens, batch 64) and GPT-2-small's (256 tokens, batch 32) Linear layers, one H100
     (benchmarks/gram_norm_kernel.py): 128x128 tiles, 8 warps, in bf16 and fp32 (the 8 layers: bf16 0.29 ms,
     fp32 0.42, against 0.30 and 0.53 in 64x64 tiles and 1.04 and 0.85 as compiled Gram matmuls)."""
     return next(t for t in (128, 64, 32, 16) if S >= t or t == 16)
 
 
-def parts(S: int, dtype: torch.dtype) -> int:
-    return _tile_count(S, block(S, dtype)) ** 2
+def parts(S: int) -> int:
+    return _tile_count(S, block(S)) ** 2
 
 
 def _tile_count(S: int, bs: int) -> int:
@@ -65,13 +65,13 @@ _LIB.impl("gram_sq_norms", gram_sq_norms, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("dpcompile::gram_sq_norms", lib=_LIB)
 def _(a, g):
-    return a.new_empty([a.shape[0], parts(a.shape[1], kernel_dtype(a.dtype, g.dtype))], dtype=torch.float32)
+    return a.new_empty([a.shape[0], parts(a.shape[1])], dtype=torch.float32)
 
 
 def _aten(a, g):
     """The same sums with aten ops, a block of samples at a time; each sample's total in the first part."""
     B, S = a.shape[0], a.shape[1]
-    out = torch.zeros(B, parts(S, kernel_dtype(a.dtype, g.dtype)), dtype=torch.float32, device=a.device)
+    out = torch.zeros(B, parts(S), dtype=torch.float32, device=a.device)
     if B == 0:
         return out
     acc = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
@@ -109,7 +109,7 @@ def launch(a, g, config: dict | None = None):
 def _plan(a, g, dtype, tf32, config):
     """(B, parts, grid, the kernel's other positional arguments, its keyword ones) for one call signature."""
     B, S, P = a.shape
-    cfg = {**launch_config(block(S, dtype)), **(config or {})}
+    cfg = {**launch_config(block(S)), **(config or {})}
     tiles = _tile_count(S, cfg["BLOCK_S"])
     precision = ("tf32" if tf32 else "ieee") if dtype == torch.float32 else None
     consts = dict(S=S, P=P, M=g.shape[2], TILES=tiles, PRECISION=precision, **cfg)

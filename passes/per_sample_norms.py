@@ -50,6 +50,12 @@ GRAM_KERNEL = os.environ.get("DPCOMPILE_GRAM_KERNEL", "1") != "0"
 GRAM_KERNEL_WHY = "; in one kernel (dpcompile::gram_sq_norms)"
 
 
+def gram_kernel_takes(S: Any) -> bool:
+    """Whether the ghost form over S rows per sample runs as dpcompile::gram_sq_norms (no [B, S, S] Grams
+    written): the kernel is on and S static (its tiles are)."""
+    return GRAM_KERNEL and isinstance(S, int)
+
+
 def _spans(n: int, k: int) -> list[tuple[int, int]]:
     """k contiguous [lo, hi) spans covering range(n), sizes differing by at most one."""
     if k == 1:
@@ -152,7 +158,7 @@ class NormBuilder:
         """[n] = <A_i A_i^T, G_i G_i^T> for A [n, S, p], G [n, S, m] in one kernel (dpcompile.gram_sq_norms: no
         [n, S, S] Gram matrices written, so no blocks); None where S is symbolic (the kernel's tiles are static)
         or the kernel is off (GRAM_KERNEL)."""
-        if not GRAM_KERNEL or not isinstance(A.meta["val"].shape[1], int):
+        if not gram_kernel_takes(A.meta["val"].shape[1]):
             return None
         self.ctx.counters["gram_norm_kernels"] += 1
         partial = self.b.call(torch.ops.dpcompile.gram_sq_norms.default, A, G)
@@ -178,7 +184,7 @@ class NormBuilder:
         S = geo.positions()
         unfolded = S * geo.weight_shape[1] * geo.groups * geo.K * geo.d.meta["val"].element_size()
         intermediate = {"direct": math.prod(geo.weight_shape) * 4,
-                        "ghost": 0 if GRAM_KERNEL and isinstance(S, int) else 2 * S * S * 4 * geo.groups}
+                        "ghost": 0 if gram_kernel_takes(S) else 2 * S * S * 4 * geo.groups}
         by_samples = isinstance(B, int) and conv_norms.samples_outermost(geo)
         unit = "samples" if by_samples else "groups" if geo.groups > 1 else "channels"
         for form in (algo, "direct"):

@@ -50,6 +50,40 @@ GRAM_KERNEL = os.environ.get("DPCOMPILE_GRAM_KERNEL", "1") != "0"
 GRAM_KERNEL_WHY = "; in one kernel (dpcompile::gram_sq_norms)"
 
 
+# Per-sample gradients of summed parameters (biases, norm weights: NormBuilder.sum_rows) are kept as [B, n] rows of
+# one buffer until all exist, and their squared norms are one reduction over it; a gradient that would take the
+# buffer past this size at the expected batch size gets a reduction of its own right where it is made (it is not
+# kept alive through the backward).
+STACKED_ROWS_MAX_BYTES = 64 << 20
+STACKED_ROWS_WHY = "reduction: per-sample sum, its squares summed with the other such parameters' in one reduction"
+
+
+def _row_bytes(row: fx.Node, ctx: DPPassContext) -> int:
+    """fp32 bytes of a [B, n] per-sample row block at the expected batch size (n symbolic: never fits)."""
+    n = row.meta["val"].shape[1]
+    if not isinstance(n, int):
+        return STACKED_ROWS_MAX_BYTES + 1
+    B = ctx.config.expected_batch_size or (ctx.batch_size if isinstance(ctx.batch_size, int) else 1)
+    return 4 * n * int(B)
+
+
+# The norm kernels' [B, parts] partial sums are added in groups of this many kernels, one reduction per group: on
+# CUDA, Inductor reads a concatenation of at most 8 inputs inside its reader (config.max_pointwise_cat_inputs), so a
+# group is one launch (a ViT-S/16 bk step: 37 partial-sum reductions -> 5).
+PARTIALS_PER_SUM = 8
+
+
+def _kernel_partials(sq: fx.Node) -> fx.Node | None:
+    """The [B, parts] output of a norm kernel (gram_sq_norms, conv_weight_sq_norms) when sq is just its sum."""
+    if sq.op != "call_function" or sq.target is not aten.sum.dim_IntList or list(sq.args[1]) != [1]:
+        return None
+    partial = sq.args[0]
+    kernels = (torch.ops.dpcompile.gram_sq_norms.default, torch.ops.dpcompile.conv_weight_sq_norms.default)
+    if isinstance(partial, fx.Node) and partial.target in kernels and len(partial.users) == 1:
+        return partial
+    return None
+
+
 def gram_kernel_takes(S: Any) -> bool:
     """Whether the ghost form over S rows per sample runs as dpcompile::gram_sq_norms (no [B, S, S] Grams
     written): the kernel is on and S static (its tiles are)."""
@@ -252,8 +286,9 @@ class NormBuilder:
         return conv_norms.per_sample_weight_grads(self.b, conv_norms.geometry(c), self.B)
 
     # -- sum over the sample dim ----------------------------------------------
-    def sum_materialize(self, c: Contribution) -> fx.Node:
-        b = self.b
+    def _sum_split(self, c: Contribution) -> tuple[fx.Node, list[int], int]:
+        """The summed operand in fp32 viewed with its sample dim split as [outer, B, inner], the dims a
+        per-sample sum reduces, and the number of dims of that view."""
         node = c.node
         x = node.args[0]
         lay = c.layouts[0]
@@ -266,9 +301,31 @@ class NormBuilder:
             dims = [k % n for k in dims]
         d = lay.dim
         split = shape[:d] + [lay.outer, self.B, lay.inner] + shape[d + 1 :]
-        xs = b.view(b.f32(x), split)
+        xs = self.b.view(self.b.f32(x), split)
         newpos = lambda k: k if k < d else k + 2  # noqa: E731
-        red = sorted({newpos(k) for k in dims if k != d} | {d, d + 2})
+        return xs, sorted({newpos(k) for k in dims if k != d} | {d, d + 2}), len(split)
+
+    def sum_rows(self, c: Contribution) -> fx.Node | None:
+        """The per-sample gradient as [B, n] straight from its reduction (no view or permute after it), or
+        None where the reduction leaves other dims than the sample and one feature dim.
+
+        Such a reduction's output can be written into a slice of a wider [B, N] buffer (Inductor realizes a
+        reduction into a concatenation without a copy), so the squared norms of all of them take one
+        reduction over that buffer instead of one small reduction each (a ViT-S/16 step: 102 parameters,
+        biases and LayerNorm weights, and as many launches)."""
+        xs, red, ndim = self._sum_split(c)
+        kept = [k for k in range(ndim) if k not in red]
+        d = c.layouts[0].dim
+        if len(kept) != 2 or kept[0] != d + 1:
+            return None
+        return self.b.call(aten.sum.dim_IntList, xs, red)
+
+    def sum_materialize(self, c: Contribution) -> fx.Node:
+        b = self.b
+        node = c.node
+        d = c.layouts[0].dim
+        xs, red, _ = self._sum_split(c)
+        split = xs.meta["val"].shape
         s = b.call(aten.sum.dim_IntList, xs, red, True)
         s = b.permute(s, [d + 1] + [k for k in range(len(split)) if k != d + 1])
         out_shape = list(node.meta["val"].shape)
@@ -516,6 +573,9 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
     tp_shards: list[fx.Node] = []  # tensor parallel: squared norms of this rank's slices, to add over the group
     tp_partials: list[fx.Node] = []  # ... and [B, n] per-sample parts of gradients summed over the group
     report = ctx.summary.setdefault("params", {})
+    stacked_rows: list[fx.Node] = []  # [B, n] per-sample gradients whose squares are summed in one reduction
+    rows_bytes = 0
+    kernel_partials: list[fx.Node] = []  # [B, parts] partial squared norms of the norm kernels
     for name, pg in ctx.decompositions.items():
         entry = report.setdefault(name, {"shape": list(pg.param.primal.meta["val"].shape)})
         locals_ = pg.local_terms
@@ -538,9 +598,26 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             anchor = c.node
             with graph.inserting_after(anchor):
                 b.meta_source = anchor
+                # (a tensor-parallel shard's squared norm is summed over its group first: not stacked)
+                local = pg.param.tp != "shard"
+                row = nb.sum_rows(c) if c.kind == "sum" and alpha == 1.0 and local else None
+                if row is not None and rows_bytes + _row_bytes(row, ctx) <= STACKED_ROWS_MAX_BYTES:
+                    rows_bytes += _row_bytes(row, ctx)
+                    stacked_rows.append(row)
+                    entry["decomposition"] = f"{c.kind} over sample rows ({c.node.name})"
+                    entry["norm"] = "materialize"
+                    entry["why"] = STACKED_ROWS_WHY
+                    ctx.counters["norm_sum_materialize"] += 1
+                    ctx.counters["norm_rows_stacked"] += 1
+                    continue
                 sq, algo, why = nb.sq(c)
                 if alpha != 1.0:
                     sq = b.call(aten.mul.Tensor, sq, alpha * alpha)
+                elif local and (partial := _kernel_partials(sq)) is not None:
+                    # summed with other kernels' partial sums (below), not in a reduction of its own
+                    graph.erase_node(sq)
+                    kernel_partials.append(partial)
+                    sq = None
             entry["decomposition"] = f"{c.kind} over sample rows ({c.node.name})"
             entry["norm"] = algo
             entry["why"] = why
@@ -570,7 +647,19 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["norm"] = "materialize"
             entry["why"] = "shared or reshaped gradient: norm of the per-sample sum, computed exactly"
             ctx.counters["norm_materialized_chain"] += 1
-        (tp_shards if pg.param.tp == "shard" else per_param).append(sq)
+        if sq is not None:
+            (tp_shards if pg.param.tp == "shard" else per_param).append(sq)
+    if stacked_rows:
+        with graph.inserting_before(out):
+            b.meta_source = None
+            rows = stacked_rows[0] if len(stacked_rows) == 1 else b.call(aten.cat.default, stacked_rows, 1)
+            per_param.append(b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, rows, rows), [1]))
+    with graph.inserting_before(out):
+        b.meta_source = None
+        for lo in range(0, len(kernel_partials), PARTIALS_PER_SUM):
+            chunk = kernel_partials[lo:lo + PARTIALS_PER_SUM]
+            cat = chunk[0] if len(chunk) == 1 else b.call(aten.cat.default, chunk, 1)
+            per_param.append(b.call(aten.sum.dim_IntList, cat, [1]))
     tp_issued = _tp_norm_all_reduce(b, graph, tp_shards, tp_partials, ctx) if tp_shards or tp_partials else None
     if not per_param and tp_issued is None:
         return gm

@@ -81,7 +81,13 @@ mm [7, 5]""")
             rec = mlp_backward(schedule)
             ops = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]]
             before_sqrt = ops[:[name for name, _ in ops].index("sqrt")]
-            self.assertEqual([o for o in before_sqrt if o[0] == "cat"], [("cat", [4, 4])], schedule)
+            # the two biases' per-sample gradients ([4, 7] and [4, 3]) are rows of one buffer whose squares
+            # are one reduction; that and the two weights' norms are stacked and summed in one more
+            self.assertEqual([o for o in before_sqrt if o[0] == "cat"], [("cat", [4, 10]), ("cat", [3, 4])],
+                             schedule)
+            tail = [o for o in before_sqrt if o[0] in ("cat", "mul", "sum")][-5:]
+            self.assertEqual(tail, [("cat", [4, 10]), ("mul", [4, 10]), ("sum", [4]), ("cat", [3, 4]), ("sum", [4])],
+                             schedule)
             self.assertNotIn(("add", [4]), before_sqrt, schedule)
 
     def test_clip_coefficients_and_keep_mask_are_stored_once(self):
@@ -225,3 +231,55 @@ def test_private_step_decorator():
     assert total <= 0.05 + 1e-6  # flat clipping: each sample <= C, mean over 4 samples
     assert step.dp_backend.calls == 1
     assert step.dp_backend.compiled[0].counters["clip_coefficients"] == 1
+
+
+class TokenStack(torch.nn.Module):
+    """Ten Linear layers over 6 tokens (ghost norms: each a gram_sq_norms kernel) with biases and LayerNorms."""
+
+    def __init__(self, n=10, d=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(self.norm(x).mean(1))
+
+
+def test_norm_partial_sums_and_bias_rows_are_summed_in_few_reductions():
+    # ten kernels' [B, parts] partial sums in two reductions (8 + 2: a reduction over a concatenation of at most
+    # 8 inputs reads them inside one CUDA kernel), the 13 summed parameters' [B, n] per-sample gradients (biases,
+    # LayerNorm) as rows of one buffer with one reduction of their squares; exact against the oracle
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = check_against_reference(TokenStack(), M.mse, (torch.randn(5, 6, 8),), (torch.randn(5, 3),),
+                                      schedule="bk", linear_norm="ghost", compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert rec.counters["gram_norm_kernels"] == 10 and rec.counters["norm_rows_stacked"] == 13, rec.counters
+    ops = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]]
+    before_sqrt = ops[:[name for name, _ in ops].index("sqrt")]
+    cats = [shape for name, shape in before_sqrt if name == "cat"]
+    parts = gram_parts(6)
+    rows = 10 * 8 + 2 * 8 + 3
+    assert cats == [[5, rows], [5, 8 * parts], [5, 2 * parts], [4, 5]], cats
+    assert rec.summary["params"]["layers.0.bias"]["why"].startswith("reduction: per-sample sum, its squares summed")
+
+
+def test_stacked_rows_past_their_budget_get_reductions_of_their_own(monkeypatch):
+    from dpcompile.passes import per_sample_norms
+
+    monkeypatch.setattr(per_sample_norms, "STACKED_ROWS_MAX_BYTES", 6 * 4 * 8 * 6)  # 6 biases: fp32, 8 wide, 6 samples
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = check_against_reference(TokenStack(), M.mse, (torch.randn(5, 6, 8),), (torch.randn(5, 3),),
+                                      schedule="ghost", linear_norm="ghost", compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert rec.counters["norm_rows_stacked"] == 6 and rec.counters["norm_sum_materialize"] == 13, rec.counters
+
+
+def gram_parts(S: int) -> int:
+    from dpcompile import gram_sq_norms
+
+    return gram_sq_norms.parts(S)

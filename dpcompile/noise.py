@@ -12,6 +12,7 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 _MASK = (1 << 64) - 1
@@ -25,8 +26,13 @@ def splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= (1 << 63) else x
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of every uint64 of x (arithmetic mod 2**64, as numpy's uint64 wraps)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 class NoiseSeeds:
@@ -52,6 +58,13 @@ class NoiseSeeds:
             self.seed = int(box[0])
 
     def seeds_for(self, step: int, n: int) -> list[int]:
+        return [int(v) for v in self.seeds_array(step, n)]
+
+    def seeds_array(self, step: int, n: int) -> np.ndarray:
+        """int64 [n]: seed i is splitmix64(base(rank of i) ^ splitmix64(i + 1)), base(r) = splitmix64(seed ^
+        splitmix64(step) ^ splitmix64((r + 1) << 40)), as int64 (two's complement). In numpy's uint64
+        arithmetic, which wraps as the hash needs: every step computes one per graph input (hundreds), and
+        this runs on the host between steps that are often host-bound."""
         bases: dict[int, int] = {}
 
         def base(rank: int) -> int:
@@ -59,7 +72,11 @@ class NoiseSeeds:
                 bases[rank] = splitmix64(self.seed ^ splitmix64(step) ^ splitmix64((rank + 1) << 40))
             return bases[rank]
 
-        return [_signed(splitmix64(base(self.index_ranks.get(i, self.rank)) ^ splitmix64(i + 1))) for i in range(n)]
+        if self.index_ranks:
+            b = np.array([base(self.index_ranks.get(i, self.rank)) for i in range(n)], dtype=np.uint64)
+        else:
+            b = np.full(n, base(self.rank), dtype=np.uint64)
+        return (_splitmix64_np(b ^ _splitmix64_np(np.arange(1, n + 1, dtype=np.uint64)))).view(np.int64)
 
     def example(self, n: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(max(n, 1), dtype=torch.int64, device=device)
@@ -70,7 +87,7 @@ class NoiseSeeds:
         with self._lock:
             step = self.step
             self.step += 1
-        t = torch.tensor(self.seeds_for(step, max(n, 1)), dtype=torch.int64)
+        t = torch.from_numpy(self.seeds_array(step, max(n, 1)))
         return t.to(device, non_blocking=True) if device.type != "cpu" else t
 
     def state_dict(self) -> dict[str, Any]:

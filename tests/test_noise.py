@@ -108,3 +108,22 @@ def test_unseeded_backends_draw_different_seeds():
     a = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
     b = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
     assert a.noise.seed != b.noise.seed
+
+
+def test_seeds_are_the_splitmix64_stream_in_int64():
+    # the vectorised derivation is the documented hash (checkpoints of earlier runs resume the same stream):
+    # seed i = splitmix64(base(rank of i) ^ splitmix64(i + 1)) as int64, base(r) from (seed, step, r)
+    from dpcompile.noise import NoiseSeeds, splitmix64
+
+    def reference(ns, step, n):
+        def base(r):
+            return splitmix64(ns.seed ^ splitmix64(step) ^ splitmix64((r + 1) << 40))
+        out = [splitmix64(base(ns.index_ranks.get(i, ns.rank)) ^ splitmix64(i + 1)) for i in range(n)]
+        return [v - (1 << 64) if v >= 1 << 63 else v for v in out]
+
+    for seed, rank, step in [(0, 0, 0), (7, 1, 3), ((1 << 64) - 1, 3, 12345), (2**40 + 17, 0, 2**33)]:
+        ns = NoiseSeeds(seed, rank=rank)
+        assert ns.seeds_for(step, 9) == reference(ns, step, 9)
+        ns.index_ranks = {2: 0, 5: 7}  # tensor parallel: a replicated parameter's stream is another rank's
+        assert ns.seeds_for(step, 9) == reference(ns, step, 9)
+        assert ns.next(9, torch.device("cpu")).dtype == torch.int64

@@ -201,7 +201,9 @@ def measure(shape: str, dtype: str, mode: str, args, device: torch.device) -> di
         step(x, y)
     sync()
     warm_s = time.perf_counter() - t0
-    if cuda:  # the timed steps' peak, not compile-time autotuning's
+    if cuda and not args.cudagraphs:  # the timed steps' peak, not compile-time autotuning's
+        # (CUDA graphs allocate their pool while capturing, in the warm-up: the timed replays allocate nothing,
+        # so with --cudagraphs the peak is the whole run's, compile included, as in anchors.py)
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.iters):

@@ -75,7 +75,8 @@ PARTIALS_PER_SUM = 8
 
 def _kernel_partials(sq: fx.Node) -> fx.Node | None:
     """The [B, parts] output of a norm kernel (gram_sq_norms, conv_weight_sq_norms) when sq is just its sum."""
-    if sq.op != "call_function" or sq.target is not aten.sum.dim_IntList or list(sq.args[1]) != [1]:
+    if sq.op != "call_function" or sq.target is not aten.sum.dim_IntList or len(sq.args) < 2 \
+            or not isinstance(sq.args[1], (list, tuple)) or list(sq.args[1]) != [1]:
         return None
     partial = sq.args[0]
     kernels = (torch.ops.dpcompile.gram_sq_norms.default, torch.ops.dpcompile.conv_weight_sq_norms.default)

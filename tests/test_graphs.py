@@ -248,15 +248,21 @@ class TokenStack(torch.nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
+def token_stack_record(schedule):
+    """TokenStack's DP compile record, its gradients checked against the oracle (5 samples, clipping active)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = check_against_reference(TokenStack(), M.mse, (torch.randn(5, 6, 8),), (torch.randn(5, 3),),
+                                      schedule=schedule, linear_norm="ghost", compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    return rec
+
+
 def test_norm_partial_sums_and_bias_rows_are_summed_in_few_reductions():
     # ten kernels' [B, parts] partial sums in two reductions (8 + 2: a reduction over a concatenation of at most
     # 8 inputs reads them inside one CUDA kernel), the 13 summed parameters' [B, n] per-sample gradients (biases,
     # LayerNorm) as rows of one buffer with one reduction of their squares; exact against the oracle
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    backend = check_against_reference(TokenStack(), M.mse, (torch.randn(5, 6, 8),), (torch.randn(5, 3),),
-                                      schedule="bk", linear_norm="ghost", compiler="eager")
-    (rec,) = [r for r in backend.compiled if r.dp]
+    rec = token_stack_record("bk")
     assert rec.counters["gram_norm_kernels"] == 10 and rec.counters["norm_rows_stacked"] == 13, rec.counters
     ops = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]]
     before_sqrt = ops[:[name for name, _ in ops].index("sqrt")]
@@ -271,11 +277,7 @@ def test_stacked_rows_past_their_budget_get_reductions_of_their_own(monkeypatch)
     from dpcompile.passes import per_sample_norms
 
     monkeypatch.setattr(per_sample_norms, "STACKED_ROWS_MAX_BYTES", 6 * 4 * 8 * 6)  # 6 biases: fp32, 8 wide, 6 samples
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    backend = check_against_reference(TokenStack(), M.mse, (torch.randn(5, 6, 8),), (torch.randn(5, 3),),
-                                      schedule="ghost", linear_norm="ghost", compiler="eager")
-    (rec,) = [r for r in backend.compiled if r.dp]
+    rec = token_stack_record("ghost")
     assert rec.counters["norm_rows_stacked"] == 6 and rec.counters["norm_sum_materialize"] == 13, rec.counters
 
 

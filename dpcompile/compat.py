@@ -71,20 +71,31 @@ def guard_empty_y_grid() -> None:
         from torch._inductor.runtime import triton_heuristics as th
     except ImportError:  # no Triton runtime: nothing launches Triton kernels
         return
-    cls = getattr(th, "Grid2DWithYZOverflow", None)
-    if cls is None or getattr(cls.generate, "_dpcompile_guarded", False):
+    def wrap(original):
+        def generate(self, meta, *args, **kwargs):  # (meta) in torch 2.11, (meta, is_lazy) later
+            original(self, meta, *args, **kwargs)
+            y = str(self.y_grid)
+            if "y_grid_div_" in y and "y_grid_div_ == 0" not in y:
+                self.y_grid = (f"(0 if y_grid_div_ == 0 else {y})" if getattr(self, "mode", "python") == "python"
+                               else f"(y_grid_div_ == 0 ? 0 : {y})")
+        return generate
+
+    _wrap_once(getattr(th, "Grid2DWithYZOverflow", None), "generate", wrap)
+
+
+def _wrap_once(owner, name: str, wrap) -> None:
+    """owner.name replaced by wrap(original), once: nothing where owner or its attribute is missing, where it is
+    dpcompile's wrapper already, or where wrap returns None (this version does not need it). The wrapper is
+    marked (``_dpcompile_guarded``) and keeps the original (``_dpcompile_original``)."""
+    original = getattr(owner, name, None) if owner is not None else None
+    if original is None or getattr(original, "_dpcompile_guarded", False):
         return
-    original = cls.generate
-
-    def generate(self, meta, *args, **kwargs):  # (meta) in torch 2.11, (meta, is_lazy) later
-        original(self, meta, *args, **kwargs)
-        y = str(self.y_grid)
-        if "y_grid_div_" in y and "y_grid_div_ == 0" not in y:
-            self.y_grid = (f"(0 if y_grid_div_ == 0 else {y})" if getattr(self, "mode", "python") == "python"
-                           else f"(y_grid_div_ == 0 ? 0 : {y})")
-
-    generate._dpcompile_guarded = True  # type: ignore[attr-defined]
-    cls.generate = generate
+    new = wrap(original)
+    if new is None:
+        return
+    new._dpcompile_guarded = True
+    new._dpcompile_original = original
+    setattr(owner, name, new)
 
 
 @contextlib.contextmanager
@@ -117,25 +128,23 @@ def hint_mix_order_split() -> None:
         from torch._inductor.codegen.simd import SIMDScheduling
     except ImportError:
         return
-    original = getattr(SIMDScheduling, "_codegen_mix_order_reduction", None)
-    if original is None or getattr(original, "_dpcompile_guarded", False):
-        return
-    try:
-        source = inspect.getsource(original)
-    except (OSError, TypeError):
-        return
-    if "sizevars.size_hint(numel)" not in source:
-        return  # this torch asks for an optimization hint already
 
-    def codegen(self, *args, **kwargs):
-        from torch._inductor.virtualized import V
+    def wrap(original):
+        try:
+            source = inspect.getsource(original)
+        except (OSError, TypeError):
+            return None
+        if "sizevars.size_hint(numel)" not in source:
+            return None  # this torch asks for an optimization hint already
 
-        with unbacked_size_hints(V.graph.sizevars):
-            return original(self, *args, **kwargs)
+        def codegen(self, *args, **kwargs):
+            from torch._inductor.virtualized import V
 
-    codegen._dpcompile_guarded = True  # type: ignore[attr-defined]
-    codegen._dpcompile_original = original  # type: ignore[attr-defined]
-    SIMDScheduling._codegen_mix_order_reduction = codegen
+            with unbacked_size_hints(V.graph.sizevars):
+                return original(self, *args, **kwargs)
+        return codegen
+
+    _wrap_once(SIMDScheduling, "_codegen_mix_order_reduction", wrap)
 
 
 def cpp_wrapper_any_args() -> None:
@@ -144,20 +153,18 @@ def cpp_wrapper_any_args() -> None:
         from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
     except ImportError:
         return
-    original = getattr(CppWrapperCpu, "generate_py_arg", None)
-    if original is None or getattr(original, "_dpcompile_guarded", False):
-        return
 
-    def generate_py_arg(self, py_args_var, idx, raw_arg, arg_type):
-        if isinstance(arg_type, torch.AnyType):
-            if isinstance(raw_arg, str):
-                arg_type = torch.StringType.get()
-            elif isinstance(raw_arg, (bool, int, float)):
-                arg_type = torch.NumberType.get()
-        return original(self, py_args_var, idx, raw_arg, arg_type)
+    def wrap(original):
+        def generate_py_arg(self, py_args_var, idx, raw_arg, arg_type):
+            if isinstance(arg_type, torch.AnyType):
+                if isinstance(raw_arg, str):
+                    arg_type = torch.StringType.get()
+                elif isinstance(raw_arg, (bool, int, float)):
+                    arg_type = torch.NumberType.get()
+            return original(self, py_args_var, idx, raw_arg, arg_type)
+        return generate_py_arg
 
-    generate_py_arg._dpcompile_guarded = True  # type: ignore[attr-defined]
-    CppWrapperCpu.generate_py_arg = generate_py_arg
+    _wrap_once(CppWrapperCpu, "generate_py_arg", wrap)
 
 
 def size_oblivious_nll_loss_nd() -> None:
@@ -234,37 +241,37 @@ _HF_SEEN: set = set()  # transformers functions already looked at (patched or no
 def hf_expand_position_ids() -> None:
     """Installs the position-id expansion in front of transformers' mask pre-processing (module doc);
     nothing when transformers is not imported or its function does not ask that question."""
-    module = sys.modules.get("transformers.masking_utils")
-    original = getattr(module, "_preprocess_mask_arguments", None)
-    if original is None or getattr(original, "_dpcompile_guarded", False) or original in _HF_SEEN:
-        return
-    _HF_SEEN.add(original)  # looked at once (mark_batch calls this every step)
-    try:
-        source = inspect.getsource(original)
-        names = list(inspect.signature(original).parameters)
-    except (OSError, TypeError, ValueError):
-        return
-    if "batch_size != position_ids.shape[0]" not in source or "inputs_embeds" not in names \
-            or "position_ids" not in names:
-        return
-    i_embeds, i_pos = names.index("inputs_embeds"), names.index("position_ids")
+    def wrap(original):
+        if original in _HF_SEEN:
+            return None
+        _HF_SEEN.add(original)  # looked at once (mark_batch calls this every step)
+        try:
+            source = inspect.getsource(original)
+            names = list(inspect.signature(original).parameters)
+        except (OSError, TypeError, ValueError):
+            return None
+        if "batch_size != position_ids.shape[0]" not in source or "inputs_embeds" not in names \
+                or "position_ids" not in names:
+            return None
+        i_embeds, i_pos = names.index("inputs_embeds"), names.index("position_ids")
 
-    def preprocess_mask_arguments(*args, **kwargs):
-        args = list(args)
-        embeds = args[i_embeds] if len(args) > i_embeds else kwargs.get("inputs_embeds")
-        pos = args[i_pos] if len(args) > i_pos else kwargs.get("position_ids")
-        if pos is not None and embeds is not None and pos.dim() == 2 and isinstance(pos.shape[0], int) \
-                and pos.shape[0] == 1:
-            pos = pos.expand(embeds.shape[0], -1)
-            if len(args) > i_pos:
-                args[i_pos] = pos
-            else:
-                kwargs["position_ids"] = pos
-        return original(*args, **kwargs)
+        def preprocess_mask_arguments(*args, **kwargs):
+            args = list(args)
+            embeds = args[i_embeds] if len(args) > i_embeds else kwargs.get("inputs_embeds")
+            pos = args[i_pos] if len(args) > i_pos else kwargs.get("position_ids")
+            if pos is not None and embeds is not None and pos.dim() == 2 and isinstance(pos.shape[0], int) \
+                    and pos.shape[0] == 1:
+                pos = pos.expand(embeds.shape[0], -1)
+                if len(args) > i_pos:
+                    args[i_pos] = pos
+                else:
+                    kwargs["position_ids"] = pos
+            return original(*args, **kwargs)
 
-    preprocess_mask_arguments._dpcompile_guarded = True  # type: ignore[attr-defined]
-    preprocess_mask_arguments.__wrapped__ = original  # type: ignore[attr-defined]
-    module._preprocess_mask_arguments = preprocess_mask_arguments
+        preprocess_mask_arguments.__wrapped__ = original  # type: ignore[attr-defined]
+        return preprocess_mask_arguments
+
+    _wrap_once(sys.modules.get("transformers.masking_utils"), "_preprocess_mask_arguments", wrap)
 
 
 def _torch_at_least(major: int, minor: int) -> bool:

@@ -41,7 +41,8 @@ from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
-from dpcompile.compat import size_oblivious_nll_loss_nd, size_oblivious_sdpa  # noqa: E402
+from dpcompile.compat import (size_oblivious_global_avg_pool, size_oblivious_nll_loss_nd,  # noqa: E402
+                              size_oblivious_sdpa)
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.eager_guard import RECOMPILE_LIMIT, non_private  # noqa: E402
@@ -127,3 +128,4 @@ def _register_if_missing() -> None:
 _register_if_missing()
 size_oblivious_nll_loss_nd()  # see dpcompile.compat
 size_oblivious_sdpa()
+size_oblivious_global_avg_pool()

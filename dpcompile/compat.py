@@ -195,6 +195,30 @@ def size_oblivious_nll_loss_nd() -> None:
     op.py_impl(key)(nll_loss_nd)
 
 
+def size_oblivious_global_avg_pool() -> None:
+    """``adaptive_avg_pool2d`` to one position (a global average pool: timm's ConvNeXt and ResNet heads,
+    ``nn.AdaptiveAvgPool2d(1)``) asks in C++ whether its input is channel-last (``suggest_memory_format``),
+    which guards on an unbacked batch size (``Eq(u0, 0)``, torch 2.13): dynamo breaks the graph inside the
+    pool and the sharded DP step is split. A Python decomposition, used only while tracing and only when a
+    size of the input is unbacked, takes the mean over the positions: the same values; its strides differ
+    from eager's only in the two dims of size 1."""
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.adaptive_avg_pool2d.default
+    key = DispatchKey.CompositeImplicitAutograd
+    if key in op.py_kernels:
+        return
+
+    def adaptive_avg_pool2d(self, output_size):
+        if free_unbacked_symbols(self.shape) and all(type(s) is int and s == 1 for s in output_size):
+            return self.mean((-2, -1), keepdim=True)
+        return op._op_dk(key, self, output_size)  # torch's own
+
+    op.py_impl(key)(adaptive_avg_pool2d)
+
+
 def size_oblivious_sdpa() -> None:
     import torch
     from torch._C import DispatchKey

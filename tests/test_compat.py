@@ -65,6 +65,31 @@ def test_k_dimensional_cross_entropy_traces_whole_with_an_unbacked_batch():
         torch.testing.assert_close(got, loss(logits, y), equal_nan=True)
 
 
+def test_global_average_pool_of_a_channel_last_map_traces_whole_with_an_unbacked_batch():
+    """adaptive_avg_pool2d(h, 1) asks whether h is channel-last, which guards on an unbacked batch size: a
+    graph break inside the pool (timm's ConvNeXt head). With the Python decomposition: one graph, same
+    values, for a batch of 4, 1 and 0."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from dpcompile.compat import size_oblivious_global_avg_pool
+
+    size_oblivious_global_avg_pool()
+    conv, mix = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 4)
+
+    def head(x):
+        h = conv(x)
+        h = mix(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) + h  # channel-last strides, as timm's residual
+        return F.adaptive_avg_pool2d(h, 1).flatten(1)
+
+    for n in (4, 1, 0):
+        x = torch.randn(n, 3, 5, 5)
+        dpcompile.mark_batch(x)
+        got = torch.compile(head, backend="aot_eager", fullgraph=True)(x)  # fullgraph: a break raises
+        torch.testing.assert_close(got, head(x))
+
+
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 def test_masked_attention_falls_back_to_math_attention_exactly(schedule, monkeypatch):
     """torch 2.11 cannot pick an SDPA kernel for a mask whose batch size is unbacked (a graph break inside

@@ -258,3 +258,39 @@ def test_a_parameter_resized_by_interpolation_is_refused_with_what_to_do():
                                   noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
     with pytest.raises(dpcompile.DPCompileError, match=r"grid.*resized.*resize it outside the step"):
         step(torch.randn(4, 2, 6, 6), torch.randn(4, 2))
+
+
+class ChannelLastHead(nn.Module):
+    """timm's ConvNeXt stage end: a residual added branch first, so that the sum keeps the branch's
+    channel-last strides, then a global average pool. AOTAutograd restrides the pool's output (as_strided)
+    and scatters its gradient back into a fresh buffer in the backward (as_strided_scatter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.mix, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = self.mix(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) + h
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_global_pool_of_a_channel_last_map(schedule):
+    torch.manual_seed(0)
+    backend = check_against_reference(ChannelLastHead(), M.ce, (torch.randn(4, 3, 5, 5),),
+                                      (torch.randint(0, 3, (4,)),), schedule=schedule, compiler="eager")
+    joint = [text for record in backend.compiled for stage, text in record.graphs.items() if "joint" in stage]
+    assert any("as_strided_scatter" in text for text in joint), "the case no longer has the op it tests"
+
+
+def test_a_partial_strided_scatter_of_samples_is_refused():
+    """as_strided_scatter that writes only some entries (every other one here) keeps the rest of its
+    base: no rule proves where the samples' entries go."""
+    def loss_of(model, x, y):
+        h = model(x)  # [4, 6]
+        out = torch.as_strided_scatter(torch.zeros(2 * h.numel()), h.flatten(), (h.numel(),), (2,))
+        return M.ce(out.view(4, 12)[:, :6], y).mean()
+
+    err = _refusal(nn.Linear(5, 6), loss_of, (torch.randn(4, 5), torch.randint(0, 6, (4,))))
+    assert "as_strided_scatter" in str(err) and "strides of its own" in str(err), str(err)

@@ -258,6 +258,33 @@ def _as_strided(an, node):
     return _view(an, node)
 
 
+def _value(a):
+    """A size, stride or offset argument as a value (a symbolic size is a graph node)."""
+    return a.meta["val"] if hasattr(a, "meta") else a
+
+
+def _as_strided_scatter(an, node):
+    """as_strided_scatter(base, src, size, stride, offset) that writes every entry of a contiguous base, in
+    the row-major order of a contiguous ``size``, is ``src`` reshaped as ``base``: none of base's entries
+    survive. AOTAutograd emits it as the backward of an as_strided view that restrides a tensor (a mean over
+    a channels-last map's 1x1 positions: timm's pooling in ConvNeXt). Any other (a part of base kept, strides
+    of its own, an offset) could move entries across samples: refused."""
+    base, src = node.args[0], node.args[1]
+    size = [_value(a) for a in node.args[2]]
+    stride = [_value(a) for a in node.args[3]]
+    offset = _value(node.args[4] if len(node.args) > 4 else node.kwargs.get("storage_offset"))
+    bv, sv = base.meta["val"], src.meta["val"]
+    whole = known(prod_of(size) == bv.numel()) and known(sv.numel() == bv.numel()) and \
+        (offset is None or known(offset == 0)) and bv.is_contiguous() and known(bv.storage_offset() == 0) and \
+        all(known(a == b) or known(n == 1) for a, b, n in zip(stride, _contiguous_strides(size), size))
+    if not whole:
+        return fail_layout(an, node, "writes into the tensor's memory with strides of its own (as_strided_scatter)")
+    lay = view_layout(shape_of(src), list(node.meta["val"].shape), an.st(src), an.B)
+    if lay is None:
+        return fail_layout(an, node, "reshapes the sample dim in a way dpcompile cannot track")
+    return lay
+
+
 def prod_of(xs):
     p = 1
     for x in xs:
@@ -267,6 +294,7 @@ def prod_of(xs):
 
 RULES: dict[Any, Any] = {}
 RULES[aten.as_strided] = _as_strided
+RULES[aten.as_strided_scatter] = _as_strided_scatter
 for p in (aten.view, aten._unsafe_view, aten.reshape):
     RULES[p] = _view
 for p in (aten.clone, aten.alias, aten._to_copy, aten.detach, aten.lift_fresh_copy, aten.contiguous):

@@ -227,6 +227,13 @@ class BatchDimAnalysis:
             return Reduced(r.origin)  # a sum over samples placed into zeros: linear
         if t is aten.where.self and is_masking(self, node):
             return Reduced(r.origin)
+        if t is aten._weight_norm_interface_backward.default and \
+                isinstance(self.states.get(node.args[0]), Reduced) and \
+                all(self.states.get(a) is FREE for a in node.args[1:4]):
+            # weight_norm's backward (w = g v / ||v||: nn.utils.parametrizations.weight_norm): the gradients
+            # of v and g are linear in w's, by factors of the parameters alone; replayed per sample for the
+            # norm (per_sample_norms.weight_norm_backward)
+            return (Reduced(r.origin), Reduced(r.origin))
         if t in _LINEAR_ON_REDUCED or getattr(t, "overloadpacket", None) in _VIEWLIKE_PACKETS:
             if t in (aten.mul.Tensor, aten.div.Tensor):
                 # linear only if the other factor does not depend on the samples

@@ -168,6 +168,10 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
     if t is aten.slice_scatter.default and is_zero_constant(node.args[0]):
         terms, _ = decompose(node.args[1], ctx, param, alpha)
         return terms, False
+    if t is operator.getitem and node.args[0].target is aten._weight_norm_interface_backward.default:
+        # v's or g's gradient from w's (the batch-dim analysis proved the other operands sample-free)
+        terms, _ = decompose(node.args[0].args[0], ctx, param, alpha)
+        return terms, False
     if t is operator.getitem:
         whole = tp_slice_source(node, param, ctx)
         if whole is not None:

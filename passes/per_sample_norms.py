@@ -392,6 +392,21 @@ class NormBuilder:
         return self.emb_materialize(c)
 
 
+def weight_norm_backward(b: GraphBuilder, grad_w: fx.Node, v: fx.Node, g: fx.Node, norms: fx.Node, dim: int,
+                         which: int) -> fx.Node:
+    """``_weight_norm_interface_backward`` for a gradient of w per sample, grad_w [B, *w]: v's (which 0) or
+    g's (which 1) per-sample gradient. With w = g v / n, n = ||v|| over every dim but ``dim`` (the first or
+    the last: the fused op takes no other; g and n keep the others as size 1): grad_g = <grad_w, v> / n,
+    grad_v = g / n (grad_w - v <grad_w, v> / n^2), the inner products over the same dims, per sample."""
+    nd = v.meta["val"].dim()
+    over = [d + 1 for d in range(nd) if d != dim % nd]
+    dot = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, grad_w, v), over, True)  # [B, *g]
+    if which == 1:
+        return b.call(aten.div.Tensor, dot, norms)
+    along = b.call(aten.mul.Tensor, v, b.call(aten.div.Tensor, dot, b.call(aten.mul.Tensor, norms, norms)))
+    return b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, grad_w, along), b.call(aten.div.Tensor, g, norms))
+
+
 def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo: dict) -> fx.Node:
     """The per-sample version [B, *shape] of a node on the chain contribution -> gradient."""
     if node in memo:
@@ -402,6 +417,9 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         r = nb.materialize(cmap[node])
     elif t is operator.getitem and node.args[0] in cmap:  # a tuple-valued contribution (conv's weight gradient)
         r = nb.materialize(cmap[node.args[0]])
+    elif t is operator.getitem and node.args[0].target is aten._weight_norm_interface_backward.default:
+        wn = node.args[0]
+        r = weight_norm_backward(b, _replay(b, nb, wn.args[0], pg, memo), *wn.args[1:5], node.args[1])
     elif t in NORM_PRESERVING:
         x = _replay(b, nb, node.args[0], pg, memo)
         if t in (aten.permute.default,):

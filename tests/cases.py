@@ -83,6 +83,8 @@ SMALL_LAYER_CASES = {
                       M.mse),
     "conv1d_addmm": Case(lambda: M.Conv1DNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
     "norms": Case(lambda: M.NormNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
+    "weight_norm": Case(lambda: M.WeightNormNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
+                        M.mse),
     "embedding": Case(lambda: M.EmbNet(), lambda B: ((ids(B, 5, 11),), (torch.randn(B, 5, 3),)), M.mse),
     "embedding_padding": Case(lambda: M.EmbNet(padding_idx=0),
                               lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),

@@ -82,6 +82,24 @@ class NormNet(nn.Module):
         return self.head(self.hrms(self.rms(self.ln(self.fc(x)))))
 
 
+class WeightNormNet(nn.Module):
+    """Weight-normalised layers (w = g v / ||v||, the parametrization's tensors are the parameters): a Linear
+    normalised per output row (dim 0), a grouped Conv1d over frames normalised per kernel tap (dim 2, the
+    last: wav2vec2's positional convolution) and a Linear normalised per input column."""
+
+    def __init__(self, d=6, n_out=3):
+        super().__init__()
+        wn = nn.utils.parametrizations.weight_norm
+        self.fc = wn(nn.Linear(d, 8))
+        self.conv = wn(nn.Conv1d(4, 4, 3, padding=1, groups=2), dim=2)
+        self.head = wn(nn.Linear(8, n_out), dim=1)  # per input column
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))  # [B, T, 8]
+        h = h + self.conv(h.view(*h.shape[:-1], 4, 2).flatten(0, 1)).view(h.shape)  # frames: 2 per token
+        return self.head(h)
+
+
 class EmbNet(nn.Module):
     def __init__(self, vocab=11, d=6, n_out=3, padding_idx=None):
         super().__init__()

@@ -291,3 +291,13 @@ def test_torch_compile_mode_with_dp_fsdp_says_how_to_write_it():
         f(torch.randn(3, requires_grad=True))
     # dynamo wraps what a backend raises (BackendCompilerFailed); the user's error is the ValueError inside
     assert isinstance(getattr(e.value, "inner_exception", e.value), ValueError), type(e.value)
+
+
+def test_weight_norm_over_the_whole_weight_is_refused_naming_the_parameter():
+    """weight_norm with dim=None (or a middle dim) is not torch's fused op but plain ops on the summed
+    gradient (norm_except_dim's backward sums it): no per-sample replay for them, refused; dims 0 and -1
+    are exact (the weight_norm case in tests/cases.py)."""
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(5, 6), dim=None), nn.Linear(6, 3))
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y), compiler="eager"),
+                   "0.parametrizations.weight.original0", "after the sum over samples", "_WeightNorm")

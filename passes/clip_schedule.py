@@ -138,8 +138,14 @@ def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
     return 1 << 62 if nbytes is None else nbytes
 
 
+def _contributions(ctx: DPPassContext) -> list[Contribution]:
+    """Every parameter's contributions, each once: one can reach a gradient by several paths (a standardised
+    weight's backward reads it three times) or reach several parameters (weight_norm's g and v)."""
+    return list(dict.fromkeys(c for pg in ctx.decompositions.values() for c, _ in pg.terms))
+
+
 def choose_deferred(ctx: DPPassContext) -> set[Contribution]:
-    contribs = [c for pg in ctx.decompositions.values() for c, _ in pg.terms]
+    contribs = _contributions(ctx)
     sched = ctx.config.schedule
     if sched == "bk":
         return set(contribs)
@@ -199,7 +205,7 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
         return gm
 
     deferred = choose_deferred(ctx)
-    all_contribs = [c for pg in ctx.decompositions.values() for c, _ in pg.terms]
+    all_contribs = _contributions(ctx)
     recompute = [c for c in all_contribs if c not in deferred]
 
     # bk: rebuild deferred contributions after r, row-scaled; last parameter

@@ -36,6 +36,9 @@ NORM_PRESERVING = {
 
 
 SCATTER_ADD = {aten.index_put.default, aten._unsafe_index_put.default, aten._unsafe_masked_index_put_accumulate.default}
+# sums over the parameter's own dims and broadcasts of a gradient (a parameter standardised or normalised
+# before it meets the samples: the standardisation's backward): linear, replayed per sample for the norm
+SUMS_AND_BROADCASTS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.expand.default}
 
 
 def unglue(x: fx.Node) -> fx.Node:
@@ -145,10 +148,11 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         if s is None and isinstance(a, fx.Node) and isinstance(b, fx.Node):
             if ctx.states.get(a) is FREE and t in (aten.mul.Tensor,):
                 a, b = b, a
-            if (ctx.states.get(b) is FREE and b not in ctx.tangent_dependent
-                    and tuple(node.meta["val"].shape) == tuple(a.meta["val"].shape)):
-                # elementwise by a sample-free factor (e.g. BatchNorm's running
-                # invstd in eval mode): linear per sample, replayed for the norm
+            if ctx.states.get(b) is FREE and b not in ctx.tangent_dependent and (
+                    t is aten.mul.Tensor or tuple(node.meta["val"].shape) == tuple(a.meta["val"].shape)):
+                # by a sample-free factor (e.g. BatchNorm's running invstd in eval mode, a standardised
+                # weight's centred values, broadcast over the gradient's dims): linear per sample, replayed
+                # for the norm
                 terms, _ = decompose(a, ctx, param, alpha)
                 return terms, False
         if s is None or not isinstance(a, fx.Node):
@@ -157,6 +161,9 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         return decompose(a, ctx, param, alpha * factor)
     if t is aten.neg.default:
         return decompose(node.args[0], ctx, param, -alpha)
+    if t in SUMS_AND_BROADCASTS and isinstance(node.args[0], fx.Node):
+        terms, _ = decompose(node.args[0], ctx, param, alpha)
+        return terms, False
     if t in (aten.add.Tensor, aten.sub.Tensor):
         a, b = node.args[0], node.args[1]
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):

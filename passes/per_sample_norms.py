@@ -32,7 +32,7 @@ from . import conv_norms
 from .sample_factors import bmm_f32, sample_major, transpose12 as _transpose12
 from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
-from .param_grads import NORM_PRESERVING, SCATTER_ADD, ParamGrad
+from .param_grads import NORM_PRESERVING, SCATTER_ADD, SUMS_AND_BROADCASTS, ParamGrad
 from .tensor_parallel import is_tp_collective
 
 aten = torch.ops.aten
@@ -392,6 +392,14 @@ class NormBuilder:
         return self.emb_materialize(c)
 
 
+def _per_sample_of(b: GraphBuilder, nb: "NormBuilder", x: fx.Node, of: fx.Node, ndim: int | None = None) -> fx.Node:
+    """x [B, *of] with size-1 dims after the sample dim up to ndim (default: of's) + 1 dims: broadcasting a
+    per-sample value against sample-free ones then keeps the samples on dim 0."""
+    shape = list(of.meta["val"].shape)
+    missing = (ndim if ndim is not None else len(shape)) - len(shape)
+    return b.reshape(x, [nb.B] + [1] * missing + shape) if missing > 0 else x
+
+
 def weight_norm_backward(b: GraphBuilder, grad_w: fx.Node, v: fx.Node, g: fx.Node, norms: fx.Node, dim: int,
                          which: int) -> fx.Node:
     """``_weight_norm_interface_backward`` for a gradient of w per sample, grad_w [B, *w]: v's (which 0) or
@@ -437,8 +445,20 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         on_chain = lambda n: isinstance(n, fx.Node) and n in nb.ctx.tangent_dependent  # noqa: E731
         if not on_chain(a):
             a, s = s, a
-        x = _replay(b, nb, a, pg, memo)
+        x = _per_sample_of(b, nb, _replay(b, nb, a, pg, memo), a, node.meta["val"].dim())
         r = b.call(t if t in (aten.div.Tensor, aten.div.Scalar) else aten.mul.Tensor, x, s)
+    elif t in SUMS_AND_BROADCASTS:
+        x = _replay(b, nb, node.args[0], pg, memo)
+        n = node.args[0].meta["val"].dim()
+        if t is aten.expand.default:
+            x = _per_sample_of(b, nb, x, node.args[0], len(node.args[1]))
+            r = b.call(t, x, [nb.B] + list(node.args[1]))
+        else:  # the same sum over the same dims of each sample's gradient
+            dims = node.args[1] if len(node.args) > 1 and t in (aten.sum.dim_IntList, aten.mean.dim) else None
+            dims = [d % n + 1 for d in dims] if dims else list(range(1, n + 1))
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            r = b.call(aten.sum.dim_IntList if t in (aten.sum.dim_IntList, aten.sum.default) else aten.mean.dim,
+                       x, dims, keep, **({"dtype": node.kwargs["dtype"]} if "dtype" in node.kwargs else {}))
     elif t is aten.neg.default:
         r = b.call(aten.neg.default, _replay(b, nb, node.args[0], pg, memo))
     elif t in (aten.add.Tensor, aten.sub.Tensor):

@@ -85,6 +85,8 @@ SMALL_LAYER_CASES = {
     "norms": Case(lambda: M.NormNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
     "weight_norm": Case(lambda: M.WeightNormNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                         M.mse),
+    "standardised": Case(lambda: M.StandardisedNet(),
+                         lambda B: ((torch.randn(B, 3, 4, 4),), (torch.randint(0, 3, (B,)),)), M.ce),
     "embedding": Case(lambda: M.EmbNet(), lambda B: ((ids(B, 5, 11),), (torch.randn(B, 5, 3),)), M.mse),
     "embedding_padding": Case(lambda: M.EmbNet(padding_idx=0),
                               lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),

@@ -85,19 +85,42 @@ class NormNet(nn.Module):
 class WeightNormNet(nn.Module):
     """Weight-normalised layers (w = g v / ||v||, the parametrization's tensors are the parameters): a Linear
     normalised per output row (dim 0), a grouped Conv1d over frames normalised per kernel tap (dim 2, the
-    last: wav2vec2's positional convolution) and a Linear normalised per input column."""
+    last: wav2vec2's positional convolution), a Linear normalised as a whole (dim=None: plain ops instead of
+    torch's fused one) and one normalised per input column."""
 
     def __init__(self, d=6, n_out=3):
         super().__init__()
         wn = nn.utils.parametrizations.weight_norm
         self.fc = wn(nn.Linear(d, 8))
         self.conv = wn(nn.Conv1d(4, 4, 3, padding=1, groups=2), dim=2)
+        self.mix = wn(nn.Linear(8, 8), dim=None)  # over the whole weight: not torch's fused op, plain ops
         self.head = wn(nn.Linear(8, n_out), dim=1)  # per input column
 
     def forward(self, x):
         h = torch.tanh(self.fc(x))  # [B, T, 8]
         h = h + self.conv(h.view(*h.shape[:-1], 4, 2).flatten(0, 1)).view(h.shape)  # frames: 2 per token
-        return self.head(h)
+        return self.head(torch.tanh(self.mix(h)))
+
+
+class StandardisedNet(nn.Module):
+    """Weights standardised before they meet the samples (the gradient is the standardisation's backward
+    of a sum over samples: sums over the weight's dims, broadcasts, sample-free factors): timm's StdConv2d
+    (F.batch_norm over the reshaped weight, ResNetV2/BiT and NFNets) and a hand-written standardisation of
+    a Linear's rows with a learned gain."""
+
+    def __init__(self, n_out=3):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(16, 8)
+        self.gain = nn.Parameter(torch.full((8, 1), 0.5))
+        self.head = nn.Linear(8, n_out)
+
+    def forward(self, x):  # x [B, 3, 4, 4]
+        w = F.batch_norm(self.conv.weight.reshape(1, 4, -1), None, None, training=True, momentum=0.0, eps=1e-6)
+        h = torch.tanh(F.conv2d(x, w.reshape_as(self.conv.weight), self.conv.bias, padding=1)).mean(1).flatten(1)
+        v = self.fc.weight
+        v = (v - v.mean(1, keepdim=True)) * torch.rsqrt(v.var(1, keepdim=True, unbiased=False) + 1e-5) * self.gain
+        return self.head(torch.tanh(F.linear(h, v, self.fc.bias)))
 
 
 class EmbNet(nn.Module):

@@ -293,11 +293,20 @@ def test_torch_compile_mode_with_dp_fsdp_says_how_to_write_it():
     assert isinstance(getattr(e.value, "inner_exception", e.value), ValueError), type(e.value)
 
 
-def test_weight_norm_over_the_whole_weight_is_refused_naming_the_parameter():
-    """weight_norm with dim=None (or a middle dim) is not torch's fused op but plain ops on the summed
-    gradient (norm_except_dim's backward sums it): no per-sample replay for them, refused; dims 0 and -1
-    are exact (the weight_norm case in tests/cases.py)."""
-    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(5, 6), dim=None), nn.Linear(6, 3))
+
+def test_a_parameter_transformed_by_an_op_without_a_per_sample_replay_is_refused_naming_it():
+    """A parameter used through a function of itself (cumsum: a monotone parametrization) has as gradient
+    that function's backward of a sum over samples; sums, broadcasts and sample-free factors are replayed
+    per sample (the standardised and weight_norm cases), a reversed cumulative sum is not: refused."""
+    class Monotone(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.steps = nn.Parameter(torch.rand(5))
+            self.head = nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.head(x * self.steps.cumsum(0))
+
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
-    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y), compiler="eager"),
-                   "0.parametrizations.weight.original0", "after the sum over samples", "_WeightNorm")
+    expect_refusal(lambda: run(Monotone(), lambda m, x, y: M.ce(m(x), y).mean(), (x, y), compiler="eager"),
+                   "parameter 'steps'", "of a sum over the samples", "rev")

@@ -198,6 +198,13 @@ def fully_shard(
         raise ValueError(f"fully_shard supports 1-D (FSDP) and 2-D (HSDP) meshes, got {mesh.ndim}-D")
     mp = mp_policy or MixedPrecisionPolicy()
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    scalars = [n for n, p in module.named_parameters() if p.dim() == 0 and not _made_here(p)]
+    if scalars:
+        # Shard(0) needs a dim; a replicated parameter would need noise drawn once for all ranks
+        raise ValueError(
+            f"fully_shard: parameter {scalars[0]!r} is a scalar (0-dim), which dpcompile cannot shard. Give it "
+            f"a dim (shape [1]); for nn.utils.parametrizations.weight_norm(..., dim=None) pass dim=0, which "
+            f"normalises per output row (a scalar gain per row instead of one)")
     # tensor-parallel parameters first: a layout that cannot be taken is refused before anything changes
     tp_sharded = {id(p): _shard_tensor_parallel(p, mesh, name) for name, p in module.named_parameters()
                   if isinstance(p, DTensor) and not _made_here(p)}

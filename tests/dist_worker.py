@@ -421,6 +421,13 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["tp_dp_meshes_apart"] = "no error"
     except ValueError as e:
         results["tp_dp_meshes_apart"] = str(e)
+    # a 0-dim parameter (weight_norm with dim=None): refused by name before anything is sharded
+    try:
+        dpcompile.fully_shard(torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4), dim=None),
+                              mesh=init_device_mesh("cpu", (world,)))
+        results["scalar_parameter"] = "no error"
+    except ValueError as e:
+        results["scalar_parameter"] = str(e)
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

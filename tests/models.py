@@ -85,21 +85,20 @@ class NormNet(nn.Module):
 class WeightNormNet(nn.Module):
     """Weight-normalised layers (w = g v / ||v||, the parametrization's tensors are the parameters): a Linear
     normalised per output row (dim 0), a grouped Conv1d over frames normalised per kernel tap (dim 2, the
-    last: wav2vec2's positional convolution), a Linear normalised as a whole (dim=None: plain ops instead of
-    torch's fused one) and one normalised per input column."""
+    last: wav2vec2's positional convolution) and a Linear normalised per input column. (dim=None, a scalar
+    gain, cannot be sharded: test_per_sample_clipping has it on one process.)"""
 
     def __init__(self, d=6, n_out=3):
         super().__init__()
         wn = nn.utils.parametrizations.weight_norm
         self.fc = wn(nn.Linear(d, 8))
         self.conv = wn(nn.Conv1d(4, 4, 3, padding=1, groups=2), dim=2)
-        self.mix = wn(nn.Linear(8, 8), dim=None)  # over the whole weight: not torch's fused op, plain ops
         self.head = wn(nn.Linear(8, n_out), dim=1)  # per input column
 
     def forward(self, x):
         h = torch.tanh(self.fc(x))  # [B, T, 8]
         h = h + self.conv(h.view(*h.shape[:-1], 4, 2).flatten(0, 1)).view(h.shape)  # frames: 2 per token
-        return self.head(torch.tanh(self.mix(h)))
+        return self.head(h)
 
 
 class StandardisedNet(nn.Module):

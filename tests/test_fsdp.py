@@ -247,6 +247,7 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         assert "'blocks.0.fc.weight' is tensor parallel" in rep["tp_dp_meshes_apart"], rep
         assert ("mesh['dp'] and mesh['tp']" if dtensor_takes_unbacked_batch() else "needs torch 2.13") \
             in rep["tp_dp_meshes_apart"], rep
+        assert "'parametrizations.weight.original0' is a scalar" in rep["scalar_parameter"], rep
 
 
 @pytest.mark.parametrize("case", sorted(dist_worker.NCCL_CASES))

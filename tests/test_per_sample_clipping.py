@@ -303,3 +303,15 @@ def test_dropped_samples_are_counted_and_a_lone_bad_sample_gives_zero(schedule):
             assert torch.equal(p.grad, torch.zeros_like(p)), n
     summary = [r for r in backend.compiled if r.dp][0].summary
     assert "dropped" in summary["nonfinite_samples"]
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_weight_normalised_as_a_whole(schedule):
+    """weight_norm(dim=None): one scalar gain, and plain ops (not torch's fused kernel) whose backward sums
+    the gradient over the whole weight; replayed per sample. One process: a scalar parameter cannot be
+    sharded (fully_shard refuses it by name, tests/test_fsdp.py)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(5, 6), dim=None),
+                                torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    check_against_reference(model, M.ce, (torch.randn(4, 5),), (torch.randint(0, 3, (4,)),), schedule=schedule,
+                            compiler="eager")

@@ -19,10 +19,10 @@ def _identity(an, node):
     return an.st(node.args[0])
 
 
-def _view(an, node):
-    x = node.args[0]
-    s = an.st(x)
-    lay = view_layout(shape_of(x), list(node.meta["val"].shape), s, an.B)
+def _view(an, node, x=None):
+    """node's value is x's entries (default: its first argument) in node's shape."""
+    x = node.args[0] if x is None else x
+    lay = view_layout(shape_of(x), list(node.meta["val"].shape), an.st(x), an.B)
     if lay is None:
         return fail_layout(an, node, "reshapes the sample dim in a way dpcompile cannot track")
     return lay
@@ -279,10 +279,7 @@ def _as_strided_scatter(an, node):
         all(known(a == b) or known(n == 1) for a, b, n in zip(stride, _contiguous_strides(size), size))
     if not whole:
         return fail_layout(an, node, "writes into the tensor's memory with strides of its own (as_strided_scatter)")
-    lay = view_layout(shape_of(src), list(node.meta["val"].shape), an.st(src), an.B)
-    if lay is None:
-        return fail_layout(an, node, "reshapes the sample dim in a way dpcompile cannot track")
-    return lay
+    return _view(an, node, src)
 
 
 def prod_of(xs):

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpcompile  # noqa: E402
+import helpers  # noqa: E402
+import reference  # noqa: E402
 from helpers import check_against_reference  # noqa: E402
 
 B, T, VOCAB = 4, 6, 31
@@ -39,6 +41,17 @@ class Logits(torch.nn.Module):
     def forward(self, *xs):
         out = self.model(*xs, **self.kwargs)
         return out.logits if hasattr(out, "logits") else out
+
+
+class Seq2Seq(torch.nn.Module):
+    """An encoder-decoder taking (source, labels): the decoder reads the labels shifted right."""
+
+    def __init__(self, wrapped: Logits):
+        super().__init__()
+        self.model = wrapped.model
+
+    def forward(self, source, labels):
+        return self.model(input_ids=source, labels=labels, use_cache=False).logits
 
 
 def token_ce(logits, y):
@@ -72,6 +85,8 @@ def hf(config: str, model: str, task: str, **kw):
         return make, lambda: ((tokens(),), (tokens(),)), token_ce
     if task == "cls":
         return make, lambda: ((tokens(),), (labels(),)), class_ce
+    if task == "seq2seq":  # teacher forcing: the targets as labels, the model shifts them into its decoder
+        return lambda: Seq2Seq(make()), lambda: ((tokens(), tokens()), (tokens(),)), token_ce
     return make, lambda: ((torch.randn(B, 3, 16, 16),), (labels(),)), class_ce
 
 
@@ -138,6 +153,25 @@ MODELS = {
               resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
     "gemma": hf("GemmaConfig", "GemmaForCausalLM", "lm", **BLOCK, num_key_value_heads=1, head_dim=8,
                 max_position_embeddings=16),
+    "bloom": hf("BloomConfig", "BloomForCausalLM", "lm", hidden_size=16, n_layer=1, n_head=2, hidden_dropout=0.0,
+                attention_dropout=0.0),  # ALiBi position bias
+    "gptj": hf("GPTJConfig", "GPTJForCausalLM", "lm", n_embd=16, n_layer=1, n_head=2, rotary_dim=4, n_positions=16,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "mixtral": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
+                  max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+                  experts_implementation="eager"),  # top-2 routed MoE; eager experts: grouped_mm takes no float64
+    "deberta_v2": hf("DebertaV2Config", "DebertaV2ForSequenceClassification", "cls", max_position_embeddings=16,
+                     relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"], **BLOCK, **NO_DROP),
+    "mobilebert": hf("MobileBertConfig", "MobileBertForSequenceClassification", "cls", hidden_size=16,
+                     num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, embedding_size=8,
+                     intra_bottleneck_size=8, true_hidden_size=8, num_feedforward_networks=2,
+                     max_position_embeddings=16, **NO_DROP),  # NoNorm: an elementwise affine
+    "t5": hf("T5Config", "T5ForConditionalGeneration", "seq2seq", d_model=16, d_kv=8, d_ff=24, num_layers=1,
+             num_heads=2, relative_attention_num_buckets=4, dropout_rate=0.0, decoder_start_token_id=0),
+    "bart": hf("BartConfig", "BartForConditionalGeneration", "seq2seq", d_model=16, encoder_layers=1,
+               decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+               decoder_ffn_dim=24, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, decoder_start_token_id=2),
     "hf_vit": hf("ViTConfig", "ViTForImageClassification", "image", image_size=16, patch_size=4, **BLOCK,
                  **NO_DROP),
     "hf_convnext": hf("ConvNextConfig", "ConvNextForImageClassification", "image", image_size=16,
@@ -178,6 +212,10 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[st
     inputs, targets = data()
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
     torch._dynamo.reset()
+    try:  # the oracle first: vmap cannot run some models, a loop of plain backwards can
+        reference.dp_reference(model, loss, inputs, targets, max_grad_norm=1.0)
+    except Exception:  # noqa: BLE001
+        helpers.dp_reference = functools.partial(reference.dp_reference, loop=True)
     try:
         check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler)
     except dpcompile.DPCompileError as exc:
@@ -187,6 +225,8 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[st
             exc = exc.__cause__
         kind = "REFUSED" if isinstance(exc, dpcompile.DPCompileError) else "FAIL"
         return kind, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        helpers.dp_reference = reference.dp_reference
     return "PASS", ""
 
 

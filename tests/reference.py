@@ -19,6 +19,7 @@ def dp_reference(
     expected_batch_size: int | None = None,
     eps: float = 1e-6,
     forward: Callable | None = None,  # (model, *inputs) -> output; default model(*inputs)
+    loop: bool = False,  # per-sample gradients by one plain autograd backward per sample instead of vmap
 ):
     """Returns (clipped gradient dict in float64, per-sample norms [B]).
 
@@ -53,7 +54,17 @@ def dp_reference(
         out = functional_call(wrapper, full, xs)
         return per_sample_loss(out, *ts).sum()
 
-    g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
+    if loop:  # models vmap cannot run (an autograd.Function without setup_context, .item() in the forward)
+        def grad_i(i):
+            p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+            got = torch.autograd.grad(loss_i(p, tuple(x[i] for x in inputs), tuple(t[i] for t in targets)),
+                                      list(p.values()), allow_unused=True)
+            return [torch.zeros_like(v) if d is None else d for v, d in zip(p.values(), got)]
+
+        rows = [grad_i(i) for i in range(inputs[0].shape[0])]
+        g = {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
+    else:
+        g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
     B = inputs[0].shape[0]
     norms = torch.sqrt(sum(v.reshape(B, -1).pow(2).sum(1) for v in g.values()))
     keep = norms.isfinite()

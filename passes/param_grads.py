@@ -39,6 +39,7 @@ SCATTER_ADD = {aten.index_put.default, aten._unsafe_index_put.default, aten._uns
 # sums over the parameter's own dims and broadcasts of a gradient (a parameter standardised or normalised
 # before it meets the samples: the standardisation's backward): linear, replayed per sample for the norm
 SUMS_AND_BROADCASTS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.expand.default}
+MATRIX_PRODUCTS = {aten.mm.default, aten.bmm.default}
 
 
 def unglue(x: fx.Node) -> fx.Node:
@@ -161,6 +162,12 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         return decompose(a, ctx, param, alpha * factor)
     if t is aten.neg.default:
         return decompose(node.args[0], ctx, param, -alpha)
+    if t in MATRIX_PRODUCTS:
+        chain = [a for a in node.args[:2] if ctx.states.get(a) is not FREE]
+        free = [a for a in node.args[:2] if ctx.states.get(a) is FREE and a not in ctx.tangent_dependent]
+        if len(chain) == 1 and len(free) == 1:  # by a sample-free matrix: linear, replayed per sample
+            terms, _ = decompose(chain[0], ctx, param, alpha)
+            return terms, False
     if t in SUMS_AND_BROADCASTS and isinstance(node.args[0], fx.Node):
         terms, _ = decompose(node.args[0], ctx, param, alpha)
         return terms, False

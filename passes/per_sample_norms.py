@@ -32,7 +32,7 @@ from . import conv_norms
 from .sample_factors import bmm_f32, sample_major, transpose12 as _transpose12
 from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
-from .param_grads import NORM_PRESERVING, SCATTER_ADD, SUMS_AND_BROADCASTS, ParamGrad
+from .param_grads import MATRIX_PRODUCTS, NORM_PRESERVING, SCATTER_ADD, SUMS_AND_BROADCASTS, ParamGrad
 from .tensor_parallel import is_tp_collective
 
 aten = torch.ops.aten
@@ -447,6 +447,23 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
             a, s = s, a
         x = _per_sample_of(b, nb, _replay(b, nb, a, pg, memo), a, node.meta["val"].dim())
         r = b.call(t if t in (aten.div.Tensor, aten.div.Scalar) else aten.mul.Tensor, x, s)
+    elif t in MATRIX_PRODUCTS:  # a chain value times a sample-free matrix, for each sample: one bmm
+        a, w = node.args[0], node.args[1]
+        first = a in nb.ctx.tangent_dependent  # the chain value (a gradient) is the left operand
+        x = _replay(b, nb, a if first else w, pg, memo)  # [B, (b,) n, k]
+        m = w if first else a
+        if m.meta["val"].dtype != x.meta["val"].dtype:  # the per-sample values' dtype (norms take fp32 or more)
+            m = b.call(torch.ops.prims.convert_element_type.default, m, x.meta["val"].dtype)
+        if t is aten.bmm.default:  # [B, b, n, k] as [B * b, n, k]
+            lead = m.meta["val"].shape[0]
+            x = b.reshape(x, [nb.B * lead] + list(x.meta["val"].shape[2:]))
+            m = b.reshape(b.call(aten.expand.default, m, [nb.B] + list(m.meta["val"].shape)),
+                          [nb.B * lead] + list(m.meta["val"].shape[1:]))
+        else:
+            m = b.call(aten.expand.default, m, [nb.B] + list(m.meta["val"].shape))
+        r = b.call(aten.bmm.default, x, m) if first else b.call(aten.bmm.default, m, x)
+        if t is aten.bmm.default:
+            r = b.reshape(r, [nb.B] + list(node.meta["val"].shape))
     elif t in SUMS_AND_BROADCASTS:
         x = _replay(b, nb, node.args[0], pg, memo)
         n = node.args[0].meta["val"].dim()

@@ -122,6 +122,48 @@ class StandardisedNet(nn.Module):
         return self.head(torch.tanh(F.linear(h, v, self.fc.bias)))
 
 
+class ProjectedTableNet(nn.Module):
+    """Parameters multiplied by other parameters before they meet the samples (DeBERTa's relative position
+    embeddings through the attention's projections): a position table through a Linear (mm), and a per-head
+    table through per-head matrices (bmm). Each gradient is a matrix product of a sum over samples with a
+    sample-free matrix."""
+
+    def __init__(self, t=5, d=6, heads=2, n_out=3):
+        super().__init__()
+        self.table = nn.Parameter(0.5 * torch.randn(t, d))
+        self.proj = nn.Linear(d, d)
+        self.head_table = nn.Parameter(0.5 * torch.randn(heads, t, d // heads))
+        self.head_mix = nn.Parameter(0.5 * torch.randn(heads, d // heads, d // heads))
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, x):  # x [B, t, d]
+        pos = self.proj(self.table) + torch.bmm(self.head_table, self.head_mix).transpose(0, 1).flatten(1)
+        return self.head(torch.tanh(x + pos))
+
+
+class BiasedScores(nn.Module):
+    """Attention scores as one baddbmm (Bloom's ALiBi): a bias plus q kᵀ over [B*heads, T, T], the bias a
+    per-head slope times the key position (sample-free) plus a per-sample term (Bloom's comes from the
+    padding mask)."""
+
+    def __init__(self, d=6, heads=2, n_out=3):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.slopes = nn.Parameter(torch.rand(heads, 1, 1))
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, x):  # [B, T, d]
+        B, T, d = x.shape
+        H = self.heads
+        q, k, v = self.qkv(x).view(B, T, 3, H, d // H).permute(2, 0, 3, 1, 4).reshape(3, B * H, T, d // H)
+        bias = (self.slopes * torch.arange(T, dtype=x.dtype)).expand(B, H, 1, T).reshape(B * H, 1, T)
+        bias = bias + x.mean(-1).repeat_interleave(H, 0).unsqueeze(1)
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0, alpha=(d // H) ** -0.5)
+        out = torch.bmm(scores.softmax(-1), v).view(B, H, T, d // H).transpose(1, 2).reshape(B, T, d)
+        return self.head(out)
+
+
 class EmbNet(nn.Module):
     def __init__(self, vocab=11, d=6, n_out=3, padding_idx=None):
         super().__init__()

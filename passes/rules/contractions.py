@@ -54,7 +54,27 @@ def _mm(an, node):
 
 
 def _bmm(an, node):
-    a, b = node.args[0], node.args[1]
+    return _bmm_of(an, node, node.args[0], node.args[1])
+
+
+def _baddbmm(an, node):
+    """beta * input + alpha * bmm(b1, b2) (Bloom's ALiBi attention scores): the product's samples, and the
+    added input's where it has them, on the same dim (a pointwise add of the two)."""
+    found = _bmm_of(an, node, node.args[1], node.args[2])
+    if not isinstance(found, Batched) and found is not None:
+        return found  # refused or mixed
+    s = an.st(node.args[0])
+    if not isinstance(s, Batched):  # sample-free: added to every sample alike
+        return found
+    if s.dim is None or found is not None and found.dim is None:
+        return fail_layout(an, node, "adds per-sample values to a batched matmul without a sample dim")
+    cand = s.moved(s.dim + 3 - ndim(node.args[0]))
+    if found is not None and cand != found:
+        return fail_layout(an, node, "adds per-sample values with another sample dim to a batched matmul")
+    return cand
+
+
+def _bmm_of(an, node, a, b):
     sa, sb = an.st(a), an.st(b)
     found = None
     for s, allowed in ((sa, {0: 0, 1: 1}), (sb, {0: 0, 2: 2})):
@@ -74,4 +94,4 @@ def _bmm(an, node):
     return found
 
 
-RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm}
+RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm, aten.baddbmm: _baddbmm}

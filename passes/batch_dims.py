@@ -227,9 +227,8 @@ class BatchDimAnalysis:
             return Reduced(r.origin)  # a sum over samples placed into zeros: linear
         if t is aten.where.self and is_masking(self, node):
             return Reduced(r.origin)
-        if t in (aten.mm.default, aten.bmm.default) and \
-                sum(isinstance(self.states.get(a), Reduced) for a in node.args[:2]) == 1 and \
-                all(self.states.get(a) in (FREE,) for a in node.args[:2] if not isinstance(self.states.get(a), Reduced)):
+        factors = [self.states.get(a) for a in node.args[:2]] if t in (aten.mm.default, aten.bmm.default) else []
+        if sum(isinstance(f, Reduced) for f in factors) == 1 and sum(f is FREE for f in factors) == 1:
             # a sum over samples times a sample-free matrix (a parameter multiplied by another parameter
             # before it meets the samples: DeBERTa's relative position embeddings through the key
             # projection): linear, replayed per sample for the norm

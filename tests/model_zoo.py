@@ -1,4 +1,4 @@
-"""Third-party models (transformers, timm) through one DP step each, against the float64 vmap(grad) oracle.
+"""Third-party models (transformers, timm) through one DP step each, against the float64 oracle.
 
 Not collected by pytest (CI time: each model is a compile of its own); run by hand when dpcompile's rules or
 passes change, on CPU:
@@ -7,9 +7,10 @@ passes change, on CPU:
     python tests/model_zoo.py --models bert,mistral --compiler inductor
 
 Each model is built small with random init and dropout off, in training mode, in float64 (``--dtype``);
-clipping is active (the oracle's median per-sample norm is C). A line per model and schedule: PASS, REFUSED (a DPCompileError: the
-step is not provably per sample, with the op, parameter and module), SKIP (the library does not import) or
-FAIL (anything else: a wrong gradient is one). Exit status 1 if any FAIL.
+clipping is active (the oracle's median per-sample norm is C). The oracle is vmap(grad), or one plain
+backward per sample where vmap cannot run the model. A line per model and schedule: PASS, REFUSED (a
+DPCompileError: the step is not provably per sample, with the op, parameter and module), SKIP (the library
+does not import) or FAIL (anything else: a wrong gradient is one). Exit status 1 if any FAIL.
 """
 from __future__ import annotations
 
@@ -100,9 +101,13 @@ def timm_model(name: str, size: int = 32, **kw):
 
 
 def group_norm():
-    import timm.layers
+    return functools.partial(timm().layers.GroupNorm, num_groups=4)
 
-    return functools.partial(timm.layers.GroupNorm, num_groups=4)
+
+def timm():
+    import timm as module  # an ImportError here is a SKIP
+
+    return module
 
 
 BLOCK = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24)
@@ -182,16 +187,16 @@ MODELS = {
                             num_heads=2),
     "timm_swin": timm_model("swin_tiny_patch4_window7_224", img_size=32, patch_size=4, window_size=4, embed_dim=8,
                             depths=(1, 1), num_heads=(1, 2), drop_path_rate=0.0),
-    "timm_mixer": (lambda: __import__("timm").models.mlp_mixer.MlpMixer(num_classes=3, img_size=16, patch_size=4,
+    "timm_mixer": (lambda: timm().models.mlp_mixer.MlpMixer(num_classes=3, img_size=16, patch_size=4,
                                                                         embed_dim=16, num_blocks=1),
                    timm_model("mixer", 16)[1], class_ce),
-    "timm_poolformer": (lambda: __import__("timm").models.metaformer.MetaFormer(
-        num_classes=3, depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), token_mixers=__import__("timm").models.metaformer.Pooling,
-        norm_layers=__import__("timm").models.metaformer.GroupNorm1, use_mlp_head=False),
+    "timm_poolformer": (lambda: timm().models.metaformer.MetaFormer(
+        num_classes=3, depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), token_mixers=timm().models.metaformer.Pooling,
+        norm_layers=timm().models.metaformer.GroupNorm1, use_mlp_head=False),
         timm_model("poolformer")[1], class_ce),
     "timm_resnetv2_stdconv": (lambda: timm_model("resnetv2_50", layers=(1, 1, 1, 1), drop_path_rate=0.0,
-                                                 conv_layer=__import__("timm").layers.StdConv2d,
-                                                 norm_layer=__import__("timm").layers.GroupNormAct)[0](),
+                                                 conv_layer=timm().layers.StdConv2d,
+                                                 norm_layer=timm().layers.GroupNormAct)[0](),
                               timm_model("resnetv2_50")[1], class_ce),
     "timm_resnet_gn": (lambda: timm_model("resnet18", 16, layers=(1, 1, 1, 1), norm_layer=group_norm())[0](),
                        timm_model("resnet18", 16)[1], class_ce),

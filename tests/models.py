@@ -164,6 +164,22 @@ class BiasedScores(nn.Module):
         return self.head(out)
 
 
+class ReparametrisedNet(nn.Module):
+    """The parameters-through-functions-of-parameters layers in one net (CI time: one compile):
+    WeightNormNet, StandardisedNet, ProjectedTableNet and BiasedScores side by side on [B, 5, 6] tokens."""
+
+    def __init__(self, n_out=3):
+        super().__init__()
+        self.wn, self.proj, self.scores = WeightNormNet(6, 6), ProjectedTableNet(5, 6, 2, 6), BiasedScores(6, 2, 6)
+        self.std = StandardisedNet(6)
+        self.head = nn.Linear(6, n_out)
+
+    def forward(self, x):  # [B, 5, 6]
+        img = F.pad(x[:, :3, :4].reshape(x.shape[0], 3, 2, 2), (1, 1, 1, 1))  # [B, 3, 4, 4]
+        h = self.wn(x) + self.proj(x) + self.scores(x) + self.std(img).unsqueeze(1)
+        return self.head(torch.tanh(h))
+
+
 class EmbNet(nn.Module):
     def __init__(self, vocab=11, d=6, n_out=3, padding_idx=None):
         super().__init__()

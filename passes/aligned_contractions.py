@@ -38,8 +38,10 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _CONTRACTIONS = {getattr(op, name) for op in (aten.mm, aten.bmm) for name in ("default", "dtype") if hasattr(op, name)}
 
 
-# kernels that read an input's memory as if contiguous
+# kernels that read an input's memory as if contiguous: torch 2.13's CPU _weight_norm_interface_backward
+# gives other values for a strided grad_w than for the same values contiguous
 _DENSE_INPUTS = {torch.ops.aten._weight_norm_interface_backward.default}
+
 
 def _alignment(dtype: torch.dtype) -> int:
     if dtype in ALIGNMENT:
@@ -160,8 +162,8 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Grap
         with gm.graph.inserting_before(node):
             out = _padded_contraction(padder, node, a, b, (pm, pk, pn), (M, N))
             # a slice across the padded columns (or rows of a bmm) is strided; collectives, graph outputs and
-            # kernels that read their input's memory as contiguous (weight_norm's fused backward gave wrong
-            # gradients on a strided one) get a contiguous copy (callers expect eager's strides)
+            # kernels that read their input's memory as contiguous (_DENSE_INPUTS) get a contiguous copy
+            # (collectives need it, callers expect eager's strides)
             strict = [u for u in node.users if u.op == "output" or _is_collective(u) or u.target in _DENSE_INPUTS]
             dense = padder.b.call(aten.clone.default, out, memory_format=torch.contiguous_format) if strict and (
                 pn or (pm and out.meta["val"].dim() == 3)) else out

@@ -227,12 +227,13 @@ class BatchDimAnalysis:
             return Reduced(r.origin)  # a sum over samples placed into zeros: linear
         if t is aten.where.self and is_masking(self, node):
             return Reduced(r.origin)
-        factors = [self.states.get(a) for a in node.args[:2]] if t in (aten.mm.default, aten.bmm.default) else []
-        if sum(isinstance(f, Reduced) for f in factors) == 1 and sum(f is FREE for f in factors) == 1:
-            # a sum over samples times a sample-free matrix (a parameter multiplied by another parameter
-            # before it meets the samples: DeBERTa's relative position embeddings through the key
-            # projection): linear, replayed per sample for the norm
-            return Reduced(r.origin)
+        if t in (aten.mm.default, aten.bmm.default):
+            factors = [self.states.get(a) for a in node.args[:2]]
+            if sum(isinstance(f, Reduced) for f in factors) == 1 and sum(f is FREE for f in factors) == 1:
+                # a sum over samples times a sample-free matrix (a parameter multiplied by another parameter
+                # before it meets the samples: DeBERTa's relative position embeddings through the key
+                # projection): linear, replayed per sample for the norm
+                return Reduced(r.origin)
         if t is aten._weight_norm_interface_backward.default and \
                 isinstance(self.states.get(node.args[0]), Reduced) and \
                 all(self.states.get(a) is FREE for a in node.args[1:4]):

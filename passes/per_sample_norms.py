@@ -392,11 +392,11 @@ class NormBuilder:
         return self.emb_materialize(c)
 
 
-def _per_sample_of(b: GraphBuilder, nb: "NormBuilder", x: fx.Node, of: fx.Node, ndim: int | None = None) -> fx.Node:
-    """x [B, *of] with size-1 dims after the sample dim up to ndim (default: of's) + 1 dims: broadcasting a
-    per-sample value against sample-free ones then keeps the samples on dim 0."""
+def _per_sample_of(b: GraphBuilder, nb: "NormBuilder", x: fx.Node, of: fx.Node, ndim: int) -> fx.Node:
+    """x [B, *of] with size-1 dims after the sample dim up to ndim + 1 dims: broadcasting a per-sample value
+    against sample-free ones then keeps the samples on dim 0."""
     shape = list(of.meta["val"].shape)
-    missing = (ndim if ndim is not None else len(shape)) - len(shape)
+    missing = ndim - len(shape)
     return b.reshape(x, [nb.B] + [1] * missing + shape) if missing > 0 else x
 
 

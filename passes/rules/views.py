@@ -244,16 +244,21 @@ def _contiguous_strides(shape) -> list:
     return strides[::-1]
 
 
+def _whole_and_row_major(size, stride, offset, base) -> bool:
+    """size/stride/offset address every entry of the contiguous tensor ``base``, in row-major order (the
+    strides of size-1 dims do not matter)."""
+    return known(prod_of(size) == base.numel()) and (offset is None or known(offset == 0)) and \
+        base.is_contiguous() and known(base.storage_offset() == 0) and \
+        all(known(a == b) or known(n == 1) for a, b, n in zip(stride, _contiguous_strides(size), size))
+
+
 def _as_strided(an, node):
     """as_strided that reads a contiguous tensor as another contiguous shape of the same size (Inductor's
     GroupNorm decomposition re-reads its [N, G, C/G, 1] statistics as [N, C] this way) is a view; any other
     as_strided (overlapping or skipping entries, an offset) could move entries across samples: refused."""
     x, out = node.args[0], node.meta["val"]  # sizes and strides as values (a batch size is a graph node)
     xv = x.meta["val"]
-    size, stride = list(out.shape), list(out.stride())
-    same = known(prod_of(size) == xv.numel()) and known(out.storage_offset() == 0) and xv.is_contiguous() and \
-        all(known(a == b) or known(n == 1) for a, b, n in zip(stride, _contiguous_strides(size), size))
-    if not same:
+    if not _whole_and_row_major(list(out.shape), list(out.stride()), out.storage_offset(), xv):
         return fail_layout(an, node, "reads the tensor's memory with strides of its own (as_strided)")
     return _view(an, node)
 
@@ -273,11 +278,8 @@ def _as_strided_scatter(an, node):
     size = [_value(a) for a in node.args[2]]
     stride = [_value(a) for a in node.args[3]]
     offset = _value(node.args[4] if len(node.args) > 4 else node.kwargs.get("storage_offset"))
-    bv, sv = base.meta["val"], src.meta["val"]
-    whole = known(prod_of(size) == bv.numel()) and known(sv.numel() == bv.numel()) and \
-        (offset is None or known(offset == 0)) and bv.is_contiguous() and known(bv.storage_offset() == 0) and \
-        all(known(a == b) or known(n == 1) for a, b, n in zip(stride, _contiguous_strides(size), size))
-    if not whole:
+    bv = base.meta["val"]
+    if not (_whole_and_row_major(size, stride, offset, bv) and known(src.meta["val"].numel() == bv.numel())):
         return fail_layout(an, node, "writes into the tensor's memory with strides of its own (as_strided_scatter)")
     return _view(an, node, src)
 

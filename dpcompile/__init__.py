@@ -42,7 +42,9 @@ from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
 from dpcompile.compat import (size_oblivious_global_avg_pool, size_oblivious_nll_loss_nd,  # noqa: E402
-                              size_oblivious_sdpa)
+                              size_oblivious_norm_batch_check,
+                              size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
+                              uniform_fold_skips_unbacked_guards)
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.eager_guard import RECOMPILE_LIMIT, non_private  # noqa: E402
@@ -129,3 +131,7 @@ _register_if_missing()
 size_oblivious_nll_loss_nd()  # see dpcompile.compat
 size_oblivious_sdpa()
 size_oblivious_global_avg_pool()
+size_oblivious_reshape()
+size_oblivious_norm_batch_check()
+size_oblivious_repeat()
+uniform_fold_skips_unbacked_guards()

@@ -24,11 +24,24 @@ only when a size of the input is unbacked: move the class dim last, flatten to
 ``[N * d1 * ..., C]`` with explicit sizes and take the 2-D ``nll_loss``, which
 is the same per-element loss and the same reduction.
 
-``scaled_dot_product_attention`` with an ``attn_mask`` whose batch size is
-unbacked: torch 2.11's C++ kernel choice asks whether the mask's batch is 1
-(to broadcast it), which dynamo cannot decide; it graph-breaks inside the
-attention (every Hugging Face model passes such a mask). Newer torch decides
-without the guard. ``size_oblivious_sdpa`` gives the op a Python kernel,
+``reshape`` with a -1 of a tensor it cannot view infers the -1 in C++ with a guard that an unbacked
+batch size cannot answer (``size_oblivious_reshape``: the -1 inferred in Python, where provably exact).
+
+The autograd formula of ``repeat`` asks whether each count is 1, which an unbacked count (a repeat over the
+batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backward does not ask).
+
+``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
+(``size_oblivious_norm_batch_check``: asked with ``guard_or_false``).
+
+Inductor's joint-graph constant folding asks whether a uniform tensor is contiguous, which guards on an
+unbacked batch size (``uniform_fold_skips_unbacked_guards``: the folding stops there instead of the compile).
+
+``scaled_dot_product_attention`` with an ``attn_mask`` and an unbacked batch
+size: torch's C++ kernel choice asks whether the mask's batch is 1 (to
+broadcast it; torch 2.11, every Hugging Face model passes such a mask), or,
+for a mask of batch 1 (T5's decoder mask), whether the query's is (torch
+2.13 too), which dynamo cannot decide; it graph-breaks inside the attention.
+``size_oblivious_sdpa`` gives the op a Python kernel,
 used only while tracing: torch's own composite wherever it traces (a dry run
 on the fake inputs, outside the graph, tells), else the math attention on the
 additive form of the mask, which is what torch's composite computes when it
@@ -219,6 +232,119 @@ def size_oblivious_global_avg_pool() -> None:
     op.py_impl(key)(adaptive_avg_pool2d)
 
 
+def size_oblivious_reshape() -> None:
+    """``reshape(..., -1, ...)`` of a tensor it cannot view (Bloom's and many attention implementations'
+    ``q.transpose(1, 2).reshape(B * H, -1, D)``) infers the -1 in C++ by asking whether the other sizes'
+    product is 0 (torch 2.13: ``Ne(8*u0, 0)``), which an unbacked batch size cannot answer: dynamo breaks the
+    graph there and the sharded DP step is split. A Python kernel, used only while tracing and only when a
+    size is unbacked, infers the -1 itself (numel // the other sizes' product, kept only where the shape
+    environment proves it exact, e.g. ``64*u0 // (8*u0) = 8``) and calls torch's own with every size given.
+    For an empty batch any -1 fits; the graph then uses the value every other batch size gives."""
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+
+    op = torch.ops.aten.reshape.default
+    key = DispatchKey.CompositeImplicitAutograd
+    if key in op.py_kernels:
+        return
+
+    def explicit(self, shape):
+        free = [i for i, s in enumerate(shape) if type(s) is int and s == -1]
+        if len(free) != 1 or not free_unbacked_symbols(self.shape):
+            return shape
+        known = 1
+        for i, s in enumerate(shape):
+            if i != free[0]:
+                known = known * s
+        inferred = self.numel() // known
+        if not statically_known_true(inferred * known == self.numel()):
+            return shape  # not provably exact: torch's own decides (and may break the graph, as before)
+        return [inferred if i == free[0] else s for i, s in enumerate(shape)]
+
+    def reshape(self, shape):
+        return op._op_dk(key, self, explicit(self, list(shape)))  # torch's own, every size given
+
+    op.py_impl(key)(reshape)
+
+
+def size_oblivious_repeat() -> None:
+    """``x.repeat(n, ...)`` with an unbacked count (DeBERTa's relative-position projections repeated over the
+    batch, ``.repeat(query.size(0) // heads, 1, 1)``): the autograd formula of ``repeat`` asks whether each
+    count is 1 (torch 2.13: ``Ne(u0, 1)``), which an unbacked count cannot answer, and the compile of a sharded
+    step fails, with stock ``torch.compile`` and ``mark_unbacked`` too. A Python autograd kernel, used only
+    while tracing and only for an unbacked count, builds the same tensor from views and one copy
+    (``[1, s0, 1, s1, ...]`` expanded to ``[r0, s0, r1, s1, ...]``, reshaped to ``[r0 * s0, ...]``), whose
+    backward is a sum over the repeats with no such question; any other call is torch's own kernel."""
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.repeat.default
+
+    def repeat(self, repeats):
+        repeats = list(repeats)
+        if len(repeats) < self.dim() or not any(
+                isinstance(r, torch.SymInt) and free_unbacked_symbols(r.node.expr) for r in repeats):
+            return op._op_dk(DispatchKey.Autograd, self, repeats)  # torch's own autograd kernel
+        sizes = [1] * (len(repeats) - self.dim()) + list(self.shape)
+        x = self.reshape([v for s in sizes for v in (1, s)])
+        x = x.expand([v for r, s in zip(repeats, sizes) for v in (r, s)])
+        return x.reshape([r * s for r, s in zip(repeats, sizes)])
+
+    for key in (DispatchKey.AutogradCPU, DispatchKey.AutogradCUDA):
+        if key not in op.py_kernels:
+            op.py_impl(key)(repeat)
+
+
+def size_oblivious_norm_batch_check() -> None:
+    """``F.group_norm`` (and instance and batch norm) first checks in Python that there is more than one value
+    per channel (``_verify_batch_size``: ``size_prods == 1`` raises), which for an unbacked batch size is a
+    question dynamo cannot decide (torch 2.13, wav2vec2's feature encoder: ``Eq(39*u0, 1)``): the sharded step
+    is split at the norm. The same check asked with ``guard_or_false``: a batch size known when tracing gets
+    the same answer and the same ValueError as before; an unbacked one is taken as not making a single value
+    (a rank with 1 sample still has many values per channel wherever the other sizes are not all 1)."""
+    import torch.nn.functional as F
+
+    def wrap(original):
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+        def _verify_batch_size(size):
+            size_prods = size[0]
+            for i in range(len(size) - 2):
+                size_prods *= size[i + 2]
+            if guard_or_false(size_prods == 1):
+                raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+        return _verify_batch_size
+
+    _wrap_once(F, "_verify_batch_size", wrap)
+
+
+def uniform_fold_skips_unbacked_guards() -> None:
+    """Inductor's joint-graph pass ``constant_fold_uniform_value`` replaces a tensor of one repeated value by a
+    ``full`` call, after asking whether it is contiguous; for a tensor with an unbacked batch size (BART's and
+    T5's attention masks in a sharded step) that question guards (torch 2.13: ``Eq(u0, 1) | Eq(5*u0, 0)``) and
+    the whole compile fails, with stock ``torch.compile`` and ``mark_unbacked`` too. The pass only folds
+    constants (each replacement is whole before the next begins), so where it meets such a guard the rest of
+    its folding is left undone and the graph, correct as it stands, goes on to the next pass."""
+    try:
+        from torch._inductor.fx_passes import joint_graph
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    except ImportError:  # pragma: no cover
+        return
+
+    def wrap(original):
+        def constant_fold_uniform_value(gm):
+            try:
+                return original(gm)
+            except GuardOnDataDependentSymNode:
+                gm.graph.lint()
+                return None
+        return constant_fold_uniform_value
+
+    _wrap_once(joint_graph, "constant_fold_uniform_value", wrap)
+
+
 def size_oblivious_sdpa() -> None:
     import torch
     from torch._C import DispatchKey
@@ -243,7 +369,9 @@ def size_oblivious_sdpa() -> None:
 
     def sdpa(query, key_, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
         args = (query, key_, value, attn_mask, dropout_p, is_causal)
-        if (attn_mask is None or not free_unbacked_symbols(attn_mask.shape) or not _SDPA_FALLBACK["always"]
+        # a mask of batch 1 (T5's position bias) asks whether the query's unbacked batch is 1 as well
+        unbacked = any(free_unbacked_symbols(t.shape) for t in (query, key_, value, attn_mask))
+        if (attn_mask is None or not unbacked or not _SDPA_FALLBACK["always"]
                 and not choice_guards(*args, scale=scale, enable_gqa=enable_gqa)):
             return torch_own(*args, scale=scale, enable_gqa=enable_gqa)
         _SDPA_FALLBACK["traced"] += 1

@@ -66,6 +66,13 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         fn, _, line = tx.f_code.co_name[len(_RESUME):].rpartition("_at_")
         what = (f"this graph is the rest of {fn} ({tx.f_code.co_filename}), which dynamo resumed after a graph "
                 f"break at line {line}; the frames that called it were split before it as well")
+    elif tx is not None and _is_dpcompile_code(tx.f_code):
+        # e.g. the property that gathers a sharded parameter (dpcompile.fully_shard), compiled as a frame of its
+        # own because dynamo ran the model code that read the parameter without a graph (a frame it gave up on)
+        of = f" of {type(owner).__name__}" if owner is not None else ""
+        what = (f"this graph is dpcompile's {tx.f_code.co_name}{of} ({tx.f_code.co_filename}:"
+                f"{tx.f_code.co_firstlineno}) compiled on its own, without the batch or the loss: dynamo split "
+                f"or gave up on the model code that called it")
     elif isinstance(owner, torch.nn.Module) and tx.f_code.co_name == "forward":
         what = (f"this graph is {type(owner).__name__}.forward ({tx.f_code.co_filename}:"
                 f"{tx.f_code.co_firstlineno}) compiled on its own, without the loss: the frame that called it "
@@ -88,6 +95,14 @@ def split_error_text(split: Split | None, found: str) -> str:
         return f"dp_fsdp: {found}"
     return (f"{head}\n  Why: {split.why}.\n  What dp_fsdp found in this part: {found}\n"
             f"  What to do: {split.advice}.")
+
+
+def _is_dpcompile_code(code: Any) -> bool:
+    """Code in dpcompile's own package: never a user's whole training step."""
+    import os
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    return os.path.dirname(os.path.abspath(code.co_filename)) == package
 
 
 def _is_backward_call(reason: Any) -> bool:

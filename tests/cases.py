@@ -86,6 +86,9 @@ SMALL_LAYER_CASES = {
     # weight_norm, weight standardisation, a table through another parameter's matrix, baddbmm scores
     "reparametrised": Case(lambda: M.ReparametrisedNet(),
                            lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
+    # shape code of Bloom, DeBERTa, T5, wav2vec2, BART that asks questions of an unbacked batch size (sharded)
+    "batch_shaped_attention": Case(lambda: M.BatchShapedAttention(),
+                                   lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
     "embedding": Case(lambda: M.EmbNet(), lambda B: ((ids(B, 5, 11),), (torch.randn(B, 5, 3),)), M.mse),
     "embedding_padding": Case(lambda: M.EmbNet(padding_idx=0),
                               lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),

@@ -5,20 +5,30 @@ passes change, on CPU:
 
     python tests/model_zoo.py                          # every model, both schedules, compiler="eager"
     python tests/model_zoo.py --models bert,mistral --compiler inductor
+    python tests/model_zoo.py --shard 2                # sharded: dpcompile.fully_shard on 2 gloo ranks
 
 Each model is built small with random init and dropout off, in training mode, in float64 (``--dtype``);
 clipping is active (the oracle's median per-sample norm is C). The oracle is vmap(grad), or one plain
 backward per sample where vmap cannot run the model. A line per model and schedule: PASS, REFUSED (a
 DPCompileError: the step is not provably per sample, with the op, parameter and module), SKIP (the library
 does not import) or FAIL (anything else: a wrong gradient is one). Exit status 1 if any FAIL.
+
+``--shard N``: the same step on N gloo processes, the model sharded as a user would (``dpcompile.fully_shard``
+on every block, bottom up, then the root), the batch split unevenly over the ranks (rank 0 takes one sample
+more than its share, the last rank the rest, possibly none), each rank's gathered gradient against the oracle
+on the whole batch. ``ZOO_TRACEBACK=1`` prints each failing rank's traceback.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import json
 import os
 import sys
+import tempfile
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpcompile  # noqa: E402
 import helpers  # noqa: E402
 import reference  # noqa: E402
+from dpcompile.errors import DPValueError  # noqa: E402
 from helpers import check_against_reference  # noqa: E402
 
 B, T, VOCAB = 4, 6, 31
@@ -207,15 +218,44 @@ MODELS = {
 }
 
 
-def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[str, str]:
+def _oracle(model, loss, inputs, targets):
+    """(clipped float64 gradients, C): C the median per-sample norm, so that clipping is active. vmap(grad), or
+    one plain backward per sample where vmap cannot run the model."""
+    try:
+        _, norms = reference.dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)
+        oracle = reference.dp_reference
+    except Exception:  # noqa: BLE001
+        oracle = functools.partial(reference.dp_reference, loop=True)
+        _, norms = oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)
+    C = float(norms.median())
+    ref, _ = oracle(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=B + 1)
+    return ref, C
+
+
+def _classify(exc: Exception) -> tuple[str, str]:
+    """REFUSED for dpcompile's own errors (DPCompileError, DPValueError: it says what and why), else FAIL."""
+    ours = (dpcompile.DPCompileError, DPValueError)
+    while exc.__cause__ is not None and not isinstance(exc, ours):
+        exc = exc.__cause__
+    if isinstance(exc, ours):
+        return "REFUSED", " ".join(line.strip() for line in str(exc).splitlines()[:2])
+    return "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _build(name: str, dtype: torch.dtype):
     make, data, loss = MODELS[name]
     torch.manual_seed(0)
-    try:
-        model = make().train().to(dtype)
-    except ImportError as exc:
-        return "SKIP", f"{type(exc).__name__}: {exc}"
+    model = make().train().to(dtype)
     inputs, targets = data()
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+    return model, loss, inputs, targets
+
+
+def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[str, str]:
+    try:
+        model, loss, inputs, targets = _build(name, dtype)
+    except ImportError as exc:
+        return "SKIP", f"{type(exc).__name__}: {exc}"
     torch._dynamo.reset()
     try:  # the oracle first: vmap cannot run some models, a loop of plain backwards can
         reference.dp_reference(model, loss, inputs, targets, max_grad_norm=1.0)
@@ -223,16 +263,88 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[st
         helpers.dp_reference = functools.partial(reference.dp_reference, loop=True)
     try:
         check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler)
-    except dpcompile.DPCompileError as exc:
-        return "REFUSED", " ".join(line.strip() for line in str(exc).splitlines()[:2])
     except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)
-        while exc.__cause__ is not None and not isinstance(exc, dpcompile.DPCompileError):
-            exc = exc.__cause__
-        kind = "REFUSED" if isinstance(exc, dpcompile.DPCompileError) else "FAIL"
-        return kind, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return _classify(exc)
     finally:
         helpers.dp_reference = reference.dp_reference
     return "PASS", ""
+
+
+def shard_blocks(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """dpcompile.fully_shard on every block (an item of an nn.ModuleList or nn.Sequential that holds
+    parameters in modules of its own: a transformer layer, a vision stage's block), innermost first, then the
+    root: how users shard a model they did not write."""
+    for module in reversed(list(model.modules())):
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        for block in module:
+            if any(True for _ in block.children()) and any(p.requires_grad for p in block.parameters()):
+                dpcompile.fully_shard(block, mesh=mesh)
+    return dpcompile.fully_shard(model, mesh=mesh)
+
+
+def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, compiler: str, dtype: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        model, loss, inputs, targets = _build(name, getattr(torch, dtype))
+        ref, C = _oracle(model, loss, inputs, targets)
+        shard_blocks(model, init_device_mesh("cpu", (world,)))
+        # uneven: rank 0 one sample more than an even share, the last rank what is left (maybe nothing)
+        cuts = [min(B, B // world + 1) if r == 0 else B // world for r in range(world - 1)]
+        cuts.append(B - sum(cuts))
+        lo = sum(cuts[:rank])
+        local_in = tuple(x[lo:lo + cuts[rank]] for x in inputs)
+        local_tg = tuple(y[lo:lo + cuts[rank]] for y in targets)
+
+        def step(inputs, targets):
+            per_sample = loss(model(*inputs), *targets)
+            per_sample.mean().backward()
+
+        torch._dynamo.reset()
+        dpcompile.private_step(step, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B + 1,
+                               schedule=schedule, compiler=compiler)(local_in, local_tg)
+        for pname, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                raise AssertionError(f"no gradient for {pname}")
+            got = p.grad.full_tensor().double()
+            tol = 1e-7 + 1e-6 * float(ref[pname].abs().max())
+            torch.testing.assert_close(got, ref[pname], rtol=1e-5, atol=tol, msg=lambda m: f"{pname}: {m}")
+        result = ("PASS", f"per-rank batches {cuts}")
+    except ImportError as exc:
+        result = ("SKIP", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)
+        result = _classify(exc)
+        if os.environ.get("ZOO_TRACEBACK"):
+            traceback.print_exc()
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run_sharded(name: str, schedule: str, compiler: str, dtype: torch.dtype, world: int) -> tuple[str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        died = ""
+        try:
+            torch.multiprocessing.spawn(_sharded_rank, args=(world, tmp, name, schedule, compiler,
+                                                             str(dtype).split(".")[-1]), nprocs=world)
+        except Exception as exc:  # noqa: BLE001 - a rank died: before its result (FAIL) or after it (said)
+            died = f"a rank died: {str(exc).splitlines()[-1][:200] if str(exc) else type(exc).__name__}"
+        results = []
+        for r in range(world):
+            path = os.path.join(tmp, f"rank{r}.json")
+            if not os.path.exists(path):
+                return "FAIL", died
+            with open(path) as f:
+                results.append(tuple(json.load(f)))
+    status, why = min(results, key=lambda sw: ["FAIL", "REFUSED", "SKIP", "PASS"].index(sw[0]))
+    return status, f"{why}; then {died} (after every rank's result)" if died else why
 
 
 def main() -> int:
@@ -243,6 +355,7 @@ def main() -> int:
     # float64 by default: the oracle's precision, so a deep net's fp32 rounding (EfficientNet's 16 blocks
     # with 4-group GroupNorm: 1e-4 of a gradient's scale) is not mistaken for an error
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    ap.add_argument("--shard", type=int, default=0, metavar="N", help="run sharded on N gloo processes")
     args = ap.parse_args()
     names = list(MODELS) if args.models == "all" else args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
@@ -252,7 +365,9 @@ def main() -> int:
     for name in names:
         for schedule in args.schedules.split(","):
             t = time.perf_counter()
-            status, why = run(name, schedule, args.compiler, getattr(torch, args.dtype))
+            dtype = getattr(torch, args.dtype)
+            status, why = run_sharded(name, schedule, args.compiler, dtype, args.shard) if args.shard > 1 \
+                else run(name, schedule, args.compiler, dtype)
             failed |= status == "FAIL"
             print(f"{status:8s} {name:22s} {schedule:6s} {time.perf_counter() - t:5.1f}s  {why[:300]}", flush=True)
     return 1 if failed else 0

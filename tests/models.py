@@ -180,6 +180,35 @@ class ReparametrisedNet(nn.Module):
         return self.head(torch.tanh(h))
 
 
+class BatchShapedAttention(nn.Module):
+    """Third-party shape code that asks questions of the batch size (dpcompile.compat answers them for an
+    unbacked one, as in sharded steps), in one block on [B, 5, 6] tokens: Bloom's heads merged by a reshape with
+    -1 of a transposed tensor; DeBERTa's position projection repeated over the batch (.repeat(B, 1, 1)); T5's
+    decoder mask of batch 1 in SDPA with transposed heads; wav2vec2's GroupNorm with a group per channel (here
+    on the inputs, before a Conv1d); BART's all-ones mask expanded over the heads."""
+
+    def __init__(self, T=5, d=6, heads=2, n_out=3):
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.qkv, self.pos_proj, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, n_out)
+        self.pos = nn.Parameter(torch.randn(T, d) * 0.5)
+        self.conv, self.norm = nn.Conv1d(d, d, 3, padding=1), nn.GroupNorm(d, d)
+        self.register_buffer("mask", torch.triu(torch.full((1, heads, T, T), -1e4), 1))
+
+    def forward(self, x):  # [B, T, d]
+        B, T, d = x.shape
+        H, D = self.heads, self.hd
+        # the norm on the inputs: on the attention's output, a group per channel over 5 tokens amplified fp32
+        # rounding into the upstream gradients by its 1/std (1e-4 of their scale, against 1e-8 in fp64)
+        x = x + self.conv(self.norm(x.transpose(1, 2))).transpose(1, 2)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.qkv(x).split(d, -1))  # [B, H, T, D] views
+        pos = self.pos_proj(self.pos).view(T, H, D).transpose(0, 1).repeat(B, 1, 1)  # [B * H, T, D]
+        q = (q.reshape(B * H, -1, D) + pos).view(B, H, T, D)
+        ones = torch.ones(B, 1, T, T, dtype=x.dtype, device=x.device).expand(-1, H, -1, -1)
+        a = F.scaled_dot_product_attention(q, k, v * ones[..., :1], attn_mask=self.mask)
+        return self.out(torch.tanh(a.transpose(1, 2).reshape(B, T, d)))
+
+
 class EmbNet(nn.Module):
     def __init__(self, vocab=11, d=6, n_out=3, padding_idx=None):
         super().__init__()

@@ -135,3 +135,119 @@ def test_hugging_face_models_without_cache_trace_whole_under_an_unbacked_batch(f
     from transformers import masking_utils
 
     assert masking_utils._preprocess_mask_arguments._dpcompile_guarded
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif("not __import__('torch').cuda.is_available()",
+                                                                reason="needs CUDA"))]
+
+
+def _whole_graph_grads(fn, params, sizes, make):
+    """fn compiled with fullgraph (a graph break raises) on a batch dpcompile.mark_batch made unbacked: its value
+    and its parameters' gradients equal eager's for every batch size that eager can run; batch 0 compiles and
+    runs (eager may refuse it: a -1 of 0 elements is ambiguous there)."""
+    import torch
+
+    for n in sizes:
+        torch._dynamo.reset()
+        x = make(n)
+        dpcompile.mark_batch(x)
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
+        grads = torch.autograd.grad(got, params)
+        if n == 0:
+            continue
+        want = fn(x)
+        torch.testing.assert_close(got, want)
+        for g, w in zip(grads, torch.autograd.grad(want, params)):
+            torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_minus_one_in_the_reshape_of_a_transposed_batch_traces_whole(device):
+    """Bloom's q.transpose(1, 2).reshape(B * H, -1, D): C++ infers the -1 by asking whether B * H * D is 0,
+    which guards on an unbacked batch size (a graph break in the attention of a sharded step)."""
+    import torch
+
+    w = torch.nn.Parameter(torch.randn(8, 8, device=device))
+
+    def heads(x):
+        B = x.shape[0]
+        q = (x @ w).view(B, 5, 2, 4).transpose(1, 2)  # [B, H, T, D], not viewable as [B * H, T, D]
+        return (q.reshape(B * 2, -1, 4) ** 2).sum()
+
+    _whole_graph_grads(heads, [w], (3, 1, 0), lambda n: torch.randn(n, 5, 8, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_parameter_repeated_over_the_batch_traces_whole(device):
+    """DeBERTa's position projection .repeat(query.size(0) // heads, 1, 1): the autograd formula of repeat
+    asks whether the count is 1. The gradient is the sum over the repeats, as eager's."""
+    import torch
+
+    w = torch.nn.Parameter(torch.randn(2, 5, 4, device=device))
+
+    def scores(x):
+        B = x.shape[0]
+        return (x.view(B * 2, 5, 4) * w.repeat(B, 1, 1)).sum()
+
+    _whole_graph_grads(scores, [w], (3, 1, 0), lambda n: torch.randn(n, 2, 5, 4, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_norm_of_an_unbacked_batch_traces_whole_and_still_checks_a_known_one(device):
+    """F.group_norm first asks whether there is one value per channel (B * L == 1 for wav2vec2's GroupNorm with
+    a group per channel), which an unbacked batch cannot answer. A known size still gets torch's ValueError."""
+    import torch
+
+    conv, norm = torch.nn.Conv1d(4, 4, 3, device=device), torch.nn.GroupNorm(4, 4, device=device)
+
+    def encoder(x):
+        return norm(conv(x)).pow(2).sum()
+
+    _whole_graph_grads(encoder, [conv.weight, norm.weight], (3, 1, 0),
+                       lambda n: torch.randn(n, 4, 9, device=device))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        torch.nn.functional.group_norm(torch.randn(1, 4, 1, device=device), 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_with_a_mask_of_batch_one_traces_whole(device):
+    """T5's decoder mask ([1, H, T, T], no gradient) in SDPA with transposed heads: torch 2.13's kernel choice
+    asks whether the query's unbacked batch is 1 too. dpcompile traces the math attention there (counted)."""
+    import torch
+
+    from dpcompile import compat
+
+    mask = torch.randn(1, 2, 5, 5, device=device)
+    w = torch.nn.Parameter(torch.randn(4, 4, device=device))
+
+    def attend(x):
+        q, kv = (x @ w).transpose(1, 2), x.transpose(1, 2)  # [B, H, T, D] views of [B, T, H, D]
+        return torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask).pow(2).sum()
+
+    before = compat._SDPA_FALLBACK["traced"]
+    _whole_graph_grads(attend, [w], (3, 1, 0), lambda n: torch.randn(n, 5, 2, 4))
+    assert compat._SDPA_FALLBACK["traced"] > before
+
+
+def test_constant_folding_of_a_uniform_tensor_with_an_unbacked_batch_compiles(monkeypatch):
+    """Inductor's constant_fold_uniform_value asks whether a uniform tensor (BART's expanded all-ones mask) is
+    contiguous, which guards on an unbacked batch size and failed the whole compile; the folding now stops
+    there. Inductor (C++ on CPU), the caches off so that the joint-graph passes run."""
+    import torch
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    w = torch.nn.Parameter(torch.randn(5, 5))
+
+    def masked(x):
+        return (x @ w + torch.ones(x.shape[0], 1, 5, 5).expand(-1, 3, -1, -1).sum(1)).pow(2).sum()
+
+    for n in (3, 1):
+        torch._dynamo.reset()
+        x = torch.randn(n, 5, 5)
+        dpcompile.mark_batch(x)
+        got = torch.compile(masked, fullgraph=True)(x)
+        (g,) = torch.autograd.grad(got, [w])
+        want = masked(x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])

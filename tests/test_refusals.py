@@ -310,3 +310,22 @@ def test_a_parameter_transformed_by_an_op_without_a_per_sample_replay_is_refused
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     expect_refusal(lambda: run(Monotone(), lambda m, x, y: M.ce(m(x), y).mean(), (x, y), compiler="eager"),
                    "parameter 'steps'", "of a sum over the samples", "rev")
+
+
+def test_a_graph_of_dpcompiles_own_code_is_described_as_a_split_step(monkeypatch):
+    """Where dynamo gives up on the model code that reads a sharded parameter (Mixtral's expert routing, 2
+    ranks), it compiles fully_shard's gathering property as a frame of its own: no batch, no loss. The error
+    says it is a piece of the step (not "no batched data input" alone) and what to do."""
+    from types import SimpleNamespace
+
+    from dpcompile import fsdp, step_split
+
+    getter = fsdp._sharded_class(torch.nn.Linear, ("weight",)).weight.fget
+    frame = SimpleNamespace(f_code=getter.__code__, f_locals={"self": torch.nn.Linear(2, 2)})
+    monkeypatch.setattr(step_split, "traced_frame", lambda: frame)
+    split = step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+    assert split is not None and "dpcompile's get of Linear" in split.why and "compiled on its own" in split.why
+    text = step_split.split_error_text(split, "no batched data input")
+    assert "only part of the training step" in text and "What to do" in text
+    frame.f_code = test_loss_is_the_output_its_tangent_seeds_not_the_first_output.__code__  # user code: no split
+    assert step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())) is None

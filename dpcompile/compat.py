@@ -369,9 +369,10 @@ def size_oblivious_sdpa() -> None:
 
     def sdpa(query, key_, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
         args = (query, key_, value, attn_mask, dropout_p, is_causal)
-        # a mask of batch 1 (T5's position bias) asks whether the query's unbacked batch is 1 as well
-        unbacked = any(free_unbacked_symbols(t.shape) for t in (query, key_, value, attn_mask))
-        if (attn_mask is None or not unbacked or not _SDPA_FALLBACK["always"]
+        # a mask of batch 1 (T5's decoder mask) asks whether the query's unbacked batch is 1 as well
+        unbacked = attn_mask is not None and any(free_unbacked_symbols(t.shape)
+                                                 for t in (query, key_, value, attn_mask))
+        if (not unbacked or not _SDPA_FALLBACK["always"]
                 and not choice_guards(*args, scale=scale, enable_gqa=enable_gqa)):
             return torch_own(*args, scale=scale, enable_gqa=enable_gqa)
         _SDPA_FALLBACK["traced"] += 1

@@ -248,3 +248,20 @@ def test_constant_folding_of_a_uniform_tensor_with_an_unbacked_batch_compiles(mo
         want = masked(x)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])
+
+
+def test_attention_kernel_without_a_mask_is_torchs_own():
+    """dpcompile's Python kernel for SDPA (used while tracing) with no mask, called directly: torch 2.11 routes
+    every traced SDPA through it, torch 2.13 not always, so a bug there (reading a missing mask) showed only on
+    the GPU machines' torch. It must give torch's values with and without is_causal."""
+    import torch
+    from torch._C import DispatchKey
+
+    from dpcompile.compat import size_oblivious_sdpa
+
+    size_oblivious_sdpa()
+    kernel = torch.ops.aten.scaled_dot_product_attention.default.py_kernels[DispatchKey.CompositeImplicitAutograd]
+    q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+    for causal in (False, True):
+        torch.testing.assert_close(kernel(q, k, v, None, 0.0, causal),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))

@@ -190,6 +190,11 @@ def test_a_parameter_repeated_over_the_batch_traces_whole(device):
         return (x.view(B * 2, 5, 4) * w.repeat(B, 1, 1)).sum()
 
     _whole_graph_grads(scores, [w], (3, 1, 0), lambda n: torch.randn(n, 2, 5, 4, device=device))
+    # a count known when tracing goes to torch's own autograd kernel through the Python kernel: its gradient too
+    torch._dynamo.reset()
+    x = torch.randn(3, 2, 5, 4, device=device)
+    (g,) = torch.autograd.grad(torch.compile(scores, backend="aot_eager", fullgraph=True)(x), [w])
+    torch.testing.assert_close(g, torch.autograd.grad(scores(x), [w])[0])
 
 
 @pytest.mark.parametrize("device", DEVICES)

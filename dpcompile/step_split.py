@@ -12,6 +12,7 @@ that into a message that says where the step was split, why, and what to do.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ _FSDP2_ADVICE = (
     "dpcompile.fully_shard(module, mesh=..., reshard_after_forward=..., "
     "mp_policy=dpcompile.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)) on each block, then the root"
 )
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _RESUME = "torch_dynamo_resume_in_"  # the code name dynamo gives the rest of a frame after a graph break
 _GENERIC_ADVICE = (
     "remove the graph break (TORCH_LOGS=graph_breaks lists every break; torch.compile(..., fullgraph=True) "
@@ -99,10 +101,7 @@ def split_error_text(split: Split | None, found: str) -> str:
 
 def _is_dpcompile_code(code: Any) -> bool:
     """Code in dpcompile's own package: never a user's whole training step."""
-    import os
-
-    package = os.path.dirname(os.path.abspath(__file__))
-    return os.path.dirname(os.path.abspath(code.co_filename)) == package
+    return os.path.dirname(os.path.abspath(code.co_filename)) == _PACKAGE
 
 
 def _is_backward_call(reason: Any) -> bool:

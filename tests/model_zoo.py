@@ -218,15 +218,20 @@ MODELS = {
 }
 
 
-def _oracle(model, loss, inputs, targets):
-    """(clipped float64 gradients, C): C the median per-sample norm, so that clipping is active. vmap(grad), or
-    one plain backward per sample where vmap cannot run the model."""
+def _oracle_for(model, loss, inputs, targets):
+    """(oracle, unclipped per-sample norms): reference.dp_reference (vmap(grad)) where vmap can run the model,
+    else the same with one plain backward per sample (loop=True)."""
     try:
         _, norms = reference.dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)
-        oracle = reference.dp_reference
-    except Exception:  # noqa: BLE001
+        return reference.dp_reference, norms
+    except Exception:  # noqa: BLE001 - vmap cannot run this model
         oracle = functools.partial(reference.dp_reference, loop=True)
-        _, norms = oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)
+        return oracle, oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)[1]
+
+
+def _oracle(model, loss, inputs, targets):
+    """(clipped float64 gradients, C): C the median per-sample norm, so that clipping is active."""
+    oracle, norms = _oracle_for(model, loss, inputs, targets)
     C = float(norms.median())
     ref, _ = oracle(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=B + 1)
     return ref, C
@@ -257,10 +262,7 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[st
     except ImportError as exc:
         return "SKIP", f"{type(exc).__name__}: {exc}"
     torch._dynamo.reset()
-    try:  # the oracle first: vmap cannot run some models, a loop of plain backwards can
-        reference.dp_reference(model, loss, inputs, targets, max_grad_norm=1.0)
-    except Exception:  # noqa: BLE001
-        helpers.dp_reference = functools.partial(reference.dp_reference, loop=True)
+    helpers.dp_reference, _ = _oracle_for(model, loss, inputs, targets)  # what check_against_reference calls
     try:
         check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler)
     except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)

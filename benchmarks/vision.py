@@ -157,6 +157,7 @@ def dp_options(args) -> dict:
     """dpcompile options from the command line (the defaults where not given)."""
     opts = {k: v for k, v in (("conv_norm", args.conv_norm), ("linear_norm", args.linear_norm)) if v is not None}
     opts = {**opts, "cudagraphs": True} if args.cudagraphs else opts
+    opts = {**opts, "disable_passes": tuple(args.disable_passes.split(","))} if args.disable_passes else opts
     return {**opts, "cpp_wrapper": True} if args.cpp_wrapper else opts
 
 
@@ -295,6 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gram-kernel", default=None, choices=["on", "off"],
                     help="off: ghost-form norms as Gram matmuls in the graph, not dpcompile::gram_sq_norms (A/B; "
                          "default: dpcompile's, on unless DPCOMPILE_GRAM_KERNEL=0)")
+    ap.add_argument("--disable-passes", default=None, metavar="NAMES",
+                    help="comma-separated optional dpcompile passes to skip in bk and ghost (an A/B of one pass)")
     ap.add_argument("--out", default=None, help="JSON of every row, rewritten after each mode")
     args = ap.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else 2 if args.tiny else 3

@@ -30,7 +30,7 @@ from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
 from dpcompile.eager_guard import refuse_recompile_limit_fallback, sentinel
 from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
-from dpcompile.passes import PASSES, DPPassContext, ParamInfo
+from dpcompile.passes import BACKWARD_PASSES, PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
 from dpcompile.passes.per_sample_norms import NORM_ALL_REDUCE_META
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
@@ -276,6 +276,9 @@ class DPPartitioner(CustomPartitionerFn):
         merge_identical_saved_values(fw, bw, kwargs["num_fwd_outputs"], ctx.counters)
         # ghost: the second backward's own copies of the pointwise values both backwards read
         copy_shared_values_into_second_backward(bw, ctx.counters)
+        for p in BACKWARD_PASSES:
+            if p.name not in self.backend.config.disable_passes:
+                bw = p.fn(bw, ctx)
         self.record.counters = dict(ctx.counters)
         # Inductor's memory planning of bw adds buffer_reuses_refused to them
         count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)

@@ -112,3 +112,19 @@ def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg
                         BLOCK_K, PRECISION)
         total = tl.sum(tl.sum(ga * gg, axis=1), axis=0)
         tl.store(out, tl.where(i == j, total, 2.0 * total))
+
+
+@triton.jit
+def zero_rows_kernel(x_ptr, keep_ptr, keep_stride, row_stride, P, s_p, Q, BLOCK: tl.constexpr):
+    # One program per index j of the masked dim: kept rows return at once (a step drops no sample at all as
+    # a rule, so the launch costs about its own latency); a dropped row's P runs of Q contiguous elements,
+    # s_p apart, are overwritten with zeros.
+    j = tl.program_id(0)
+    if tl.load(keep_ptr + j * keep_stride) == 0:
+        base = x_ptr + j.to(tl.int64) * row_stride
+        zeros = tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty)
+        for p in range(0, P):
+            run = base + tl.cast(p, tl.int64) * s_p
+            for q0 in range(0, Q, BLOCK):
+                offs = q0 + tl.arange(0, BLOCK)
+                tl.store(run + offs, zeros, mask=offs < Q)

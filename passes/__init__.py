@@ -22,6 +22,7 @@ from .conv_backward_split import conv_backward_split_pass
 from .context import DPPassContext, ParamInfo
 from .empty_batch import empty_batch_pass
 from .fsdp_reshard import fsdp_reshard_pass
+from .inplace_row_masks import inplace_row_masks_pass
 from .loss_reduction import loss_reduction_pass
 from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
@@ -56,17 +57,23 @@ PASSES: tuple[Pass, ...] = (
     Pass("comm_overlap", comm_overlap_pass, optional=True),
 )
 
+# on the backward graph, after the partition (which decides what the backward makes itself)
+BACKWARD_PASSES: tuple[Pass, ...] = (
+    Pass("inplace_row_masks", inplace_row_masks_pass, optional=True),
+)
+
 
 def check_disable_passes(names) -> None:
-    by_name = {p.name: p for p in PASSES}
+    by_name = {p.name: p for p in PASSES + BACKWARD_PASSES}
     for n in names:
         if n not in by_name:
-            raise ValueError(f"disable_passes: unknown pass {n!r}; passes are {[p.name for p in PASSES]}")
+            raise ValueError(f"disable_passes: unknown pass {n!r}; passes are "
+                             f"{[p.name for p in PASSES + BACKWARD_PASSES]}")
         if not by_name[n].optional:
             raise ValueError(
                 f"disable_passes: pass {n!r} computes part of the DP gradient and cannot be disabled; "
-                f"optional passes: {[p.name for p in PASSES if p.optional]}"
+                f"optional passes: {[p.name for p in PASSES + BACKWARD_PASSES if p.optional]}"
             )
 
 
-__all__ = ["PASSES", "Pass", "DPPassContext", "ParamInfo", "check_disable_passes"]
+__all__ = ["PASSES", "BACKWARD_PASSES", "Pass", "DPPassContext", "ParamInfo", "check_disable_passes"]

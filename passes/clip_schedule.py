@@ -26,6 +26,7 @@ from dpcompile.fx_utils import GraphBuilder, module_of, op_name
 
 from .batch_state import FREE, Batched, Contribution, bytes_at_expected_batch
 from .context import DPPassContext
+from .inplace_row_masks import ROW_MASK
 
 aten = torch.ops.aten
 
@@ -46,14 +47,19 @@ def sample_scale(b: GraphBuilder, lay: Batched, r: fx.Node, B: Any, ndim: int, d
     return R
 
 
-def zero_dropped_rows(b: GraphBuilder, x: fx.Node, lay: Batched, keep: fx.Node | None, B: Any) -> fx.Node:
+def zero_dropped_rows(b: GraphBuilder, x: fx.Node, lay: Batched, keep: fx.Node | None, B: Any,
+                      in_place: bool = False) -> fx.Node:
     """where(keep[sample(j)], x, 0): a dropped sample's rows are exact zeros, also where x holds inf or
-    NaN (a product with a zero coefficient would not be)."""
+    NaN (a product with a zero coefficient would not be). ``in_place``: every reader after this one is one of
+    bk's rebuilt contractions, so the backward may zero x's rows where they lie (passes.inplace_row_masks)."""
     if keep is None or lay.dim is None:
         return x
     xv = x.meta["val"]
     K = sample_layout(b, lay, keep, B, xv.dim(), lay.dim, xv.shape[lay.dim])
-    return b.call(aten.where.self, K, x, b.call(aten.scalar_tensor.default, 0.0, dtype=xv.dtype))
+    masked = b.call(aten.where.self, K, x, b.call(aten.scalar_tensor.default, 0.0, dtype=xv.dtype))
+    if in_place:
+        masked.meta[ROW_MASK] = lay.dim
+    return masked
 
 
 def row_scale(b: GraphBuilder, x: fx.Node, lay: Batched, r: fx.Node, B: Any, keep: fx.Node | None = None) -> fx.Node:
@@ -61,6 +67,30 @@ def row_scale(b: GraphBuilder, x: fx.Node, lay: Batched, r: fx.Node, B: Any, kee
     xv = x.meta["val"]
     scaled = b.call(aten.mul.Tensor, x, sample_scale(b, lay, r, B, xv.dim(), lay.dim, xv.shape[lay.dim], xv.dtype))
     return zero_dropped_rows(b, scaled, lay, keep, B)
+
+
+def _row_elements(v: fx.Node, lay: Batched) -> int | None:
+    """Elements per index of the sample dim, where that is known while compiling."""
+    n = 1
+    for d, size in enumerate(v.meta["val"].shape):
+        if d != lay.dim:
+            n = n * size
+    return n if isinstance(n, int) else None
+
+
+def _scaled_position(c: Contribution, args: list, positions: dict[int, Batched]) -> int:
+    """Which operand of a two-operand contribution bk scales: either gives the same product (each row holds one
+    sample's values), and the other is masked, which costs nothing where the backward zeroes its rows in place
+    (passes.inplace_row_masks). So the one with fewer elements per row (the LM head: the hidden states, not the
+    logits' gradient); on a tie the one not linear in the tangent, since the tangent side is always made by the
+    backward itself, and so can be masked in place, where the other may be a saved activation."""
+    if c.kind not in ("mm", "conv") or len(positions) != 2:
+        return c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
+    other = next(i for i in positions if i != c.scaled_operand)
+    n_t, n_o = (_row_elements(args[i], positions[i]) for i in (c.scaled_operand, other))
+    if n_t is None or n_o is None:
+        return c.scaled_operand
+    return other if n_o <= n_t else c.scaled_operand
 
 
 def _operand_positions(c: Contribution) -> dict[int, Batched]:
@@ -97,9 +127,11 @@ def _source(x: fx.Node, states: dict) -> tuple[fx.Node, list[fx.Node]]:
 
 def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: Any, keep: fx.Node | None = None,
                         arg_of=lambda a: a, clean: frozenset = frozenset(), shared: dict | None = None,
-                        states: dict | None = None) -> fx.Node:
+                        states: dict | None = None, deferred: bool = False) -> fx.Node:
     """The contribution rebuilt with its tangent-side operand row-scaled by r (r None: not scaled) and every
-    per-sample operand's dropped rows zeroed (but operands in ``clean``: zeroed already).
+    per-sample operand's dropped rows zeroed (but operands in ``clean``: zeroed already). ``deferred`` (bk's
+    rebuilt contractions, after every norm): the scaled operand is chosen by ``_scaled_position`` and the other's
+    mask may run in place.
 
     With ``shared`` (and ``states``, the nodes' sample layouts), an operand is scaled or masked at its source
     (through reshapes and transposes) once for every contribution that reads it: q, k and v projections of
@@ -109,7 +141,8 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
     node = c.node
     args = list(fx.node.map_arg(tuple(node.args), arg_of))
     positions = _operand_positions(c)
-    scaled = c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
+    scaled = _scaled_position(c, args, positions) if deferred else \
+        c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
     for i, lay in positions.items():
         do_scale = i == scaled and r is not None
         if not do_scale and (args[i] in clean or keep is None):
@@ -119,7 +152,8 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
         key = (src, do_scale, src_lay.dim, repr(src_lay.outer), repr(src_lay.inner))
         new = shared.get(key) if shared is not None else None
         if new is None:
-            new = row_scale(b, src, src_lay, r, B, keep) if do_scale else zero_dropped_rows(b, src, src_lay, keep, B)
+            new = row_scale(b, src, src_lay, r, B, keep) if do_scale else \
+                zero_dropped_rows(b, src, src_lay, keep, B, in_place=deferred)
             if shared is not None:
                 shared[key] = new
         for v in reversed(views):
@@ -213,13 +247,15 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     # reductions are issued in (collective_order), so each reduce-scatter
     # can run under the next contraction
     operands: dict = {}
+    scaled_side: dict = {}  # contribution -> what bk scales (the dump summary's per-parameter "bk_scaled")
     with graph.inserting_before(out):
         for c in reversed(all_contribs):
             if c not in deferred:
                 continue
             b.meta_source = c.node
+            scaled_side[c] = _describe_scaled(c)
             before = len(operands)
-            new = scaled_contribution(b, c, r, B, keep, shared=operands, states=ctx.states)
+            new = scaled_contribution(b, c, r, B, keep, shared=operands, states=ctx.states, deferred=True)
             ctx.counters["bk_operand_copies"] += len(operands) - before
             c.node.replace_all_uses_with(new)
             ctx.counters["bk_deferred_contractions"] += 1
@@ -234,7 +270,19 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
         ctx.summary["params"][name]["schedule"] = (
             "deferred (bk)" if all(c in deferred for c, _ in pg.terms) else "second backward (ghost)"
         )
+        sides = sorted({scaled_side[c] for c, _ in pg.terms if c in scaled_side})
+        if sides:
+            ctx.summary["params"][name]["bk_scaled"] = sides[0] if len(sides) == 1 else sides
     return gm
+
+
+def _describe_scaled(c: Contribution) -> str:
+    """Which operand of a deferred contribution bk scales by the clip coefficients, and its shape."""
+    positions = _operand_positions(c)
+    i = _scaled_position(c, list(c.node.args), positions)
+    role = "the input" if c.kind in ("mm", "conv") and i != c.scaled_operand else "the output gradient"
+    shape = [str(s) for s in c.node.args[i].meta["val"].shape] if isinstance(c.node.args[i], fx.Node) else []
+    return f"{role} [{', '.join(shape)}]"
 
 
 def _rearranges(node: fx.Node) -> bool:

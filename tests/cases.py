@@ -224,6 +224,9 @@ def check_case_invariants(name, counters, summary):
     """What a case's compile must show beyond exact gradients (shared with the sharded runs)."""
     # every Linear-like norm in the ghost form (static rows per sample here) runs as one kernel
     assert counters.get("gram_norm_kernels", 0) >= counters.get("norm_mm_ghost", 0), counters
+    if counters.get("bk_deferred_contractions") and name.startswith(("gpt", "llama", "hf_")):
+        # bk masks the wider operand of a block's projections, an output gradient the backward makes: in place
+        assert counters.get("row_masks_in_place", 0) >= 1, counters
     if name in ("gpt_tied", "hf_gpt2"):
         assert counters["params_shared"] == 1  # the norm of the per-sample sum of both uses, not two norms
     if name in ("gpt_frozen", "gpt_lora"):

@@ -7,7 +7,7 @@ import torch
 import dpcompile
 import models as M
 from reference import dp_reference
-from cases import CASES
+from cases import CASES, finite_median, with_bad_samples
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -44,6 +44,36 @@ def test_cuda_matches_reference(case, schedule):
     c = CASES[case]
     inputs, targets = c.data(4)
     ref, gpu, _ = _clipped_on_cuda(c.model(), c.loss, inputs, targets, schedule=schedule, memory_budget=4000)
+    for name, p in gpu.named_parameters():
+        torch.testing.assert_close(p.grad.double().cpu(), ref[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", ["gpt", "llama", "conv_kinds"])
+def test_cuda_bk_drops_bad_samples_exactly(case):
+    """bk on CUDA, 6 samples of which one has a NaN input and one an inf loss weight: their rows of the masked
+    operands are zeroed in place by the Triton kernel (dpcompile::zero_rows_), the others' clipped sum exact."""
+    c = with_bad_samples(CASES[case])
+    inputs, targets = c.data(6)
+    model = c.model()
+    _, norms = dp_reference(model, c.loss, inputs, targets, max_grad_norm=1.0, reduction=c.reduction,
+                            expected_batch_size=6)
+    C = finite_median(norms)
+    ref, _ = dp_reference(model, c.loss, inputs, targets, max_grad_norm=C, reduction=c.reduction,
+                          expected_batch_size=7)
+    gpu = copy.deepcopy(model).cuda()
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=7, schedule="bk")
+
+    def step(xs, ts):
+        per_sample = c.loss(gpu(*xs), *ts)
+        l = per_sample.mean() if c.reduction == "mean" else per_sample.sum()
+        l.backward()
+        return l.detach()
+
+    torch.compile(step, backend=backend)(tuple(x.cuda() for x in inputs), tuple(t.cuda() for t in targets))
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert rec.counters.get("row_masks_in_place", 0) >= 1, rec.counters
+    assert backend.dropped_samples() == 2
     for name, p in gpu.named_parameters():
         torch.testing.assert_close(p.grad.double().cpu(), ref[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
@@ -120,6 +150,19 @@ def test_cuda_gram_norm_kernel_matches_per_sample_gradient_norms():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     assert max(worst.values()) < 1e-2, worst
+
+
+def test_cuda_zero_rows_kernel_matches_masked_fill():
+    """dpcompile::zero_rows_'s Triton kernel compiled for the GPU, every layout of zero_rows_check (channels-last,
+    padded rows, transposed and permuted views), bf16, fp16 and fp32; and the op takes it on CUDA."""
+    import zero_rows_check
+    from dpcompile import zero_rows
+
+    report = zero_rows_check.mismatches(zero_rows.launch, "cuda", [torch.bfloat16, torch.float16, torch.float32])
+    assert len(report) == 3 * len(list(zero_rows_check._layouts("cpu", torch.float32))), report
+    assert set(report.values()) == {0}, report
+    report = zero_rows_check.mismatches(torch.ops.dpcompile.zero_rows_, "cuda", [torch.bfloat16])
+    assert set(report.values()) == {0}, report
 
 
 def test_cuda_eager_run_of_a_dp_trained_model_raises():

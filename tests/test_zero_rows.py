@@ -1,0 +1,87 @@
+"""bk's masks of unscaled operands in place (passes.inplace_row_masks, dpcompile::zero_rows_): the Triton kernel
+under TRITON_INTERPRET=1 against masked_fill_ on every layout the backward hands it, the op's schema, and steps
+whose dropped samples hold NaN and inf in the operands masked in place, exact against the oracle."""
+import pytest
+import torch
+
+import models as M
+import zero_rows_check
+from dpcompile import zero_rows
+from helpers import check_against_reference, run_interpreted
+
+
+def test_triton_kernel_matches_masked_fill_interpreted():
+    report = run_interpreted("zero_rows_check.py")
+    assert len(report) == 2 * len(list(zero_rows_check._layouts("cpu", torch.float32))), report
+    assert set(report.values()) == {0}, report
+
+
+def test_layouts_without_runs_fall_back_to_masked_fill():
+    base = torch.randn(4, 6, 8, 10)
+    cut = base[:, :3, :5, :7]  # three strided dims per row: no runs
+    assert zero_rows.row_runs(cut.shape, cut.stride(), 0) is None
+    expanded = torch.randn(4, 1, 5).expand(4, 3, 5)
+    assert zero_rows.row_runs(expanded.shape, expanded.stride(), 0) is None
+    with pytest.raises(ValueError, match="no contiguous runs"):
+        zero_rows.launch(cut, torch.ones(4, dtype=torch.bool), 0)
+    keep = torch.tensor([True, False, True, False])
+    cut[1, 0, 0, 0] = float("nan")
+    before = base.clone()
+    torch.ops.dpcompile.zero_rows_(cut, keep, 0)  # masked_fill_ on CPU and on such layouts
+    assert torch.equal(cut[1], torch.zeros_like(cut[1])) and torch.equal(cut[3], torch.zeros_like(cut[3]))
+    assert torch.equal(cut[0], before[0, :3, :5, :7]) and torch.equal(cut[2], before[2, :3, :5, :7])
+    assert torch.equal(base[:, 3:], before[:, 3:])  # outside the view: untouched
+
+
+def test_op_schema_mutates_its_first_argument():
+    x, keep = torch.randn(5, 3), torch.tensor([True, False, True, True, False])
+    result = torch.library.opcheck(torch.ops.dpcompile.zero_rows_.default, (x, keep, 0))
+    assert all(v == "SUCCESS" for v in result.values()), result
+    assert torch.ops.dpcompile.zero_rows_.default._schema.is_mutable
+
+
+class Widening(torch.nn.Module):
+    """Every Linear widens, so bk scales its input and masks its output gradient: a buffer the backward makes
+    itself, zeroed in place. A NaN input makes every one of its sample's output gradients NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = torch.nn.Linear(4, 16), torch.nn.Linear(16, 24), torch.nn.Linear(24, 32)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "eager"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_masked_output_gradients_in_place_drop_nan_samples_exactly(compiler, in_place):
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 4), torch.randint(0, 32, (7,))
+    x[2] = float("nan")
+    x[5, 1] = float("inf")
+    backend = check_against_reference(Widening(), M.ce, (x,), (y,), schedule="bk", compiler=compiler,
+                                      disable_passes=() if in_place else ("inplace_row_masks",))
+    (rec,) = [r for r in backend.compiled if r.dp]
+    ops = [op for op, _ in rec.ops["backward"]]
+    if in_place:
+        # the three output gradients; the inputs are the scaled side
+        assert rec.counters["row_masks_in_place"] == 3, rec.counters
+        assert ops.count("dpcompile.zero_rows_.default") == 3, ops
+    else:
+        assert "row_masks_in_place" not in rec.counters and "dpcompile.zero_rows_.default" not in ops
+    assert backend.dropped_samples() == 2
+
+
+def test_bk_scales_the_narrower_operand():
+    # an LM head's shape: the logits' gradient [B*T, 40] is masked in place, the hidden states [B*T, 6] scaled
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(), torch.nn.Linear(6, 40))
+    x, y = torch.randn(4, 5, 3), torch.randint(0, 40, (4, 5))
+    x[1] = float("nan")
+    backend = check_against_reference(model, M.seq_ce, (x,), (y,), schedule="bk")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    params = rec.summary["params"]
+    assert params["2.weight"]["bk_scaled"] == "the input [20, 6]", params["2.weight"]
+    assert params["0.weight"]["bk_scaled"] == "the input [20, 3]", params["0.weight"]
+    assert params["2.bias"]["bk_scaled"] == "the output gradient [20, 40]", params["2.bias"]  # a sum of its rows
+    assert rec.counters["row_masks_in_place"] == 2, rec.counters

@@ -85,3 +85,35 @@ def test_bk_scales_the_narrower_operand():
     assert params["0.weight"]["bk_scaled"] == "the input [20, 3]", params["0.weight"]
     assert params["2.bias"]["bk_scaled"] == "the output gradient [20, 40]", params["2.bias"]  # a sum of its rows
     assert rec.counters["row_masks_in_place"] == 2, rec.counters
+
+
+def test_a_buffer_shared_with_a_graph_input_is_masked_by_a_copy():
+    """The pass on a backward-shaped graph: a clone of an input (which Inductor's no-op removal may turn back into
+    the input), a view of an input and a cast to the same dtype keep their masked copy; a product is the graph's
+    own buffer, masked in place; every result as before."""
+    import collections
+    import types
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dpcompile.passes.inplace_row_masks import ROW_MASK, inplace_row_masks_pass
+
+    def f(a, keep):
+        outs = []
+        for v in (a.clone(), a.view(6, 2), a.to(a.dtype), a * 2.0):
+            k = keep.reshape([-1] + [1] * (v.dim() - 1)) if v.shape[0] == 3 else keep.repeat_interleave(2)[:, None]
+            outs.append(torch.where(k, v, 0.0).sum(-1))
+        return outs
+
+    a, keep = torch.randn(3, 4), torch.tensor([True, False, True])
+    a[1, 2] = float("nan")
+    gm = make_fx(f, tracing_mode="fake")(a, keep)
+    for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.where.self):
+        n.meta[ROW_MASK] = 0
+    want = gm(a.clone(), keep)
+    ctx = types.SimpleNamespace(counters=collections.Counter())
+    gm = inplace_row_masks_pass(gm, ctx)
+    assert ctx.counters == {"row_masks_in_place": 1, "row_masks_copied": 3}, ctx.counters
+    got = gm(a.clone(), keep)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

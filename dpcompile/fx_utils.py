@@ -115,6 +115,8 @@ class GraphBuilder:
         self.counter = counter
         self.added = 0
         self._syms: dict[Any, fx.Node] | None = None
+        # values a pass builds once and reads many times (clip_schedule's per-sample layouts of r and keep)
+        self.memo: dict[Any, fx.Node] = {}
 
     # -- symbolic sizes -----------------------------------------------------------
     def _symbol_nodes(self) -> dict[Any, fx.Node]:

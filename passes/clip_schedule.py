@@ -32,18 +32,26 @@ aten = torch.ops.aten
 
 
 def sample_layout(b: GraphBuilder, lay: Batched, v: fx.Node, B: Any, ndim: int, d: int, N: Any) -> fx.Node:
-    """v (one value per sample) laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1]."""
-    R = b.call(aten.expand.default, b.view(v, [1, B, 1]), [lay.outer, B, lay.inner])
-    shape = [1] * ndim
-    shape[d] = N
-    return b.reshape(R, shape)
+    """v (one value per sample) laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1]. Built once
+    per layout for all the operands that share it (``b.memo``): GPT-2-small's bk asked for 321 layouts of r and
+    keep, of a few kinds, each three nodes for the partitioner and Inductor to go through."""
+    key = ("sample_layout", v, str(B), ndim, d, str(N), str(lay.outer), str(lay.inner))
+    if key not in b.memo:
+        R = b.call(aten.expand.default, b.view(v, [1, B, 1]), [lay.outer, B, lay.inner])
+        shape = [1] * ndim
+        shape[d] = N
+        b.memo[key] = b.reshape(R, shape)
+    return b.memo[key]
 
 
 def sample_scale(b: GraphBuilder, lay: Batched, r: fx.Node, B: Any, ndim: int, d: int, N: Any, dtype) -> fx.Node:
     """r laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1], value r[sample(j)]."""
     R = sample_layout(b, lay, r, B, ndim, d, N)
     if dtype != torch.float32:
-        R = b.call(torch.ops.prims.convert_element_type.default, R, dtype)
+        key = ("sample_scale", R, dtype)
+        if key not in b.memo:
+            b.memo[key] = b.call(torch.ops.prims.convert_element_type.default, R, dtype)
+        R = b.memo[key]
     return R
 
 

@@ -5,7 +5,7 @@ coefficients (a copy), the other with a dropped sample's rows zeroed, since a dr
 NaN and 0 * inf is NaN. Written as ``where(keep, x, 0)`` that mask is a second full copy of the operand, though
 a step drops no sample as a rule. This op zeroes the rows whose ``keep`` is False where they lie: one program
 per row, kept rows return at once, so the step pays a launch, not a read and a write of the operand
-(dpcompile.inplace_row_masks chooses where it may mutate).
+(dpcompile.passes.inplace_row_masks chooses where it may mutate).
 
 keep: bool, one entry per index of ``x``'s dim ``dim`` (any shape with that many elements). CUDA tensors whose
 rows are runs of contiguous elements (contiguous, channels-last, padded rows, a transposed view) take the

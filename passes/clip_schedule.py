@@ -86,14 +86,21 @@ def _row_elements(v: fx.Node, lay: Batched) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _scaled_position(c: Contribution, args: list, positions: dict[int, Batched]) -> int:
-    """Which operand of a two-operand contribution bk scales: either gives the same product (each row holds one
-    sample's values), and the other is masked, which costs nothing where the backward zeroes its rows in place
-    (passes.inplace_row_masks). So the one with fewer elements per row (the LM head: the hidden states, not the
-    logits' gradient); on a tie the one not linear in the tangent, since the tangent side is always made by the
-    backward itself, and so can be masked in place, where the other may be a saved activation."""
+def _tangent_position(c: Contribution, positions: dict[int, Batched]) -> int:
+    """The argument position of a contribution's operand that is linear in the loss tangent."""
+    return c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
+
+
+def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
+    """Which operand of a deferred contribution bk scales. For two operands either gives the same product (each
+    row holds one sample's values), and the other is masked, which costs nothing where the backward zeroes its
+    rows in place (passes.inplace_row_masks). So the one with fewer elements per row (the LM head: the hidden
+    states, not the logits' gradient); on a tie the one not linear in the tangent, since the tangent side is
+    always made by the backward itself, and so can be masked in place, where the other may be a saved
+    activation."""
     if c.kind not in ("mm", "conv") or len(positions) != 2:
-        return c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
+        return _tangent_position(c, positions)
+    args = c.node.args
     other = next(i for i in positions if i != c.scaled_operand)
     n_t, n_o = (_row_elements(args[i], positions[i]) for i in (c.scaled_operand, other))
     if n_t is None or n_o is None:
@@ -135,11 +142,11 @@ def _source(x: fx.Node, states: dict) -> tuple[fx.Node, list[fx.Node]]:
 
 def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: Any, keep: fx.Node | None = None,
                         arg_of=lambda a: a, clean: frozenset = frozenset(), shared: dict | None = None,
-                        states: dict | None = None, deferred: bool = False) -> fx.Node:
-    """The contribution rebuilt with its tangent-side operand row-scaled by r (r None: not scaled) and every
-    per-sample operand's dropped rows zeroed (but operands in ``clean``: zeroed already). ``deferred`` (bk's
-    rebuilt contractions, after every norm): the scaled operand is chosen by ``_scaled_position`` and the other's
-    mask may run in place.
+                        states: dict | None = None, scaled_at: int | None = None,
+                        in_place_masks: bool = False) -> fx.Node:
+    """The contribution rebuilt with its tangent-side operand (or the one at ``scaled_at``) row-scaled by r (r
+    None: not scaled) and every per-sample operand's dropped rows zeroed (but operands in ``clean``: zeroed
+    already). ``in_place_masks`` (bk's rebuilt contractions, after every norm): the masks may run in place.
 
     With ``shared`` (and ``states``, the nodes' sample layouts), an operand is scaled or masked at its source
     (through reshapes and transposes) once for every contribution that reads it: q, k and v projections of
@@ -149,8 +156,7 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
     node = c.node
     args = list(fx.node.map_arg(tuple(node.args), arg_of))
     positions = _operand_positions(c)
-    scaled = _scaled_position(c, args, positions) if deferred else \
-        c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
+    scaled = _tangent_position(c, positions) if scaled_at is None else scaled_at
     for i, lay in positions.items():
         do_scale = i == scaled and r is not None
         if not do_scale and (args[i] in clean or keep is None):
@@ -161,7 +167,7 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
         new = shared.get(key) if shared is not None else None
         if new is None:
             new = row_scale(b, src, src_lay, r, B, keep) if do_scale else \
-                zero_dropped_rows(b, src, src_lay, keep, B, in_place=deferred)
+                zero_dropped_rows(b, src, src_lay, keep, B, in_place=in_place_masks)
             if shared is not None:
                 shared[key] = new
         for v in reversed(views):
@@ -261,9 +267,11 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
             if c not in deferred:
                 continue
             b.meta_source = c.node
-            scaled_side[c] = _describe_scaled(c)
+            at = _scaled_position(c, _operand_positions(c))
+            scaled_side[c] = _describe_scaled(c, at)
             before = len(operands)
-            new = scaled_contribution(b, c, r, B, keep, shared=operands, states=ctx.states, deferred=True)
+            new = scaled_contribution(b, c, r, B, keep, shared=operands, states=ctx.states, scaled_at=at,
+                                      in_place_masks=True)
             ctx.counters["bk_operand_copies"] += len(operands) - before
             c.node.replace_all_uses_with(new)
             ctx.counters["bk_deferred_contractions"] += 1
@@ -284,10 +292,9 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     return gm
 
 
-def _describe_scaled(c: Contribution) -> str:
-    """Which operand of a deferred contribution bk scales by the clip coefficients, and its shape."""
-    positions = _operand_positions(c)
-    i = _scaled_position(c, list(c.node.args), positions)
+def _describe_scaled(c: Contribution, i: int) -> str:
+    """The operand at position i of a deferred contribution, which bk scales by the clip coefficients, and its
+    shape."""
     role = "the input" if c.kind in ("mm", "conv") and i != c.scaled_operand else "the output gradient"
     shape = [str(s) for s in c.node.args[i].meta["val"].shape] if isinstance(c.node.args[i], fx.Node) else []
     return f"{role} [{', '.join(shape)}]"

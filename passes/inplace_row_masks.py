@@ -56,7 +56,7 @@ def storage_root(x: fx.Node) -> fx.Node | None:
         if name in _MAY_SHARE_STORAGE:
             i = _MAY_SHARE_STORAGE[name]
             src = x.args[0][0] if i is None else x.args[i]
-        elif any(r.alias_info is not None for r in target._schema.returns):  # a view
+        elif target.is_view:
             src = x.args[0]
         else:
             return x

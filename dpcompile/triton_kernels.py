@@ -123,8 +123,13 @@ def zero_rows_kernel(x_ptr, keep_ptr, keep_stride, row_stride, P, s_p, Q, BLOCK:
     if tl.load(keep_ptr + j * keep_stride) == 0:
         base = x_ptr + j.to(tl.int64) * row_stride
         zeros = tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty)
-        for p in range(0, P):
+        # while, not range(): Triton 3.6's interpreter cannot take a scalar argument as a range bound
+        p = 0
+        while p < P:
             run = base + tl.cast(p, tl.int64) * s_p
-            for q0 in range(0, Q, BLOCK):
+            q0 = 0
+            while q0 < Q:
                 offs = q0 + tl.arange(0, BLOCK)
                 tl.store(run + offs, zeros, mask=offs < Q)
+                q0 += BLOCK
+            p += 1

@@ -202,6 +202,16 @@ def with_bad_samples(case: Case, bad_input=1, bad_weight=2) -> Case:
     return Case(case.model, data, loss, case.reduction)
 
 
+def bad_samples(inputs, targets) -> torch.Tensor:
+    """Which samples with_bad_samples made bad: a non-finite float input or weight (a token model's NaN input is
+    not one, its inputs are integers)."""
+    bad = torch.zeros(len(targets[-1]), dtype=torch.bool)
+    for t in (*inputs, *targets):
+        if t.is_floating_point() and len(t):
+            bad |= ~t.reshape(len(t), -1).isfinite().all(1)
+    return bad
+
+
 def finite_median(norms: torch.Tensor) -> float:
     """A clipping bound with samples above and below it, among the samples that are not dropped."""
     return float(norms[norms.isfinite()].median())

@@ -257,10 +257,7 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
             at += cut
         # cases.with_bad_samples: a sample with a non-finite float input or weight is dropped, counted where
         # it lives
-        bad = torch.zeros(sum(sizes), dtype=torch.bool)
-        for t in (*inputs, *targets):
-            if t.is_floating_point() and len(t):
-                bad |= ~t.reshape(len(t), -1).isfinite().all(1)
+        bad = cases.bad_samples(inputs, targets)
         bad_here = int(bad[lo:hi].sum())
         got = backend.dropped_samples()
         assert got == bad_here, (sizes, rank, got)

@@ -36,6 +36,31 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _MAY_SHARE_STORAGE = {"_unsafe_view": 0, "view": 0, "alias": 0, "clone": 0, "_to_copy": 0, "convert_element_type": 0,
                       "device_put": 0, "slice": 0, "repeat": 0, "constant_pad_nd": 0, "ceil": 0, "floor": 0,
                       "round": 0, "trunc": 0, "pow": 0, "expand": 0, "copy": 1, "slice_scatter": 1, "cat": None}
+_VIEWS = {"_unsafe_view", "view", "alias", "slice", "expand"}
+
+
+def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    """What remove_noop_ops asks before it replaces a possible no-op by its input (post_grad.same_meta): the same
+    sizes, strides, dtype and device. An op whose output differs in any of them (a clone into another layout, a
+    cast) writes a buffer of its own."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
+        return True  # unknown: assume it may be removed
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+    if va.dtype != vb.dtype or va.device != vb.device or va.layout != vb.layout:
+        return False
+    if va.dim() != vb.dim():
+        return False
+    # "maybe equal" (not known to differ) counts as equal: Inductor may find them equal where this cannot
+    differ = not statically_known_true(sym_eq(va.size(), vb.size())) and _known_differ(va.size(), vb.size())
+    if not differ and va.layout == torch.strided:
+        differ = not statically_known_true(sym_eq(va.stride(), vb.stride())) and _known_differ(va.stride(), vb.stride())
+    return not differ
+
+
+def _known_differ(xs, ys) -> bool:
+    """Some position holds two integers that differ (symbolic entries count as equal)."""
+    return any(isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(xs, ys))
 
 
 def storage_root(x: fx.Node) -> fx.Node | None:
@@ -62,6 +87,8 @@ def storage_root(x: fx.Node) -> fx.Node | None:
             return x
         if not isinstance(src, fx.Node):
             return x
+        if not (target.is_view or name in _VIEWS) and not _same_meta(x, src):
+            return x  # a no-op candidate that changes layout or dtype: a copy Inductor keeps
         x = src
 
 

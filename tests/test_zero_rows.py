@@ -89,8 +89,9 @@ def test_bk_scales_the_narrower_operand():
 
 def test_a_buffer_shared_with_a_graph_input_is_masked_by_a_copy():
     """The pass on a backward-shaped graph: a clone of an input (which Inductor's no-op removal may turn back into
-    the input), a view of an input and a cast to the same dtype keep their masked copy; a product is the graph's
-    own buffer, masked in place; every result as before."""
+    the input), a view of an input and a cast to the same dtype keep their masked copy; a product, a clone into
+    another layout and a cast to another dtype are the graph's own buffers, masked in place; every result as
+    before, the input untouched."""
     import collections
     import types
 
@@ -100,7 +101,8 @@ def test_a_buffer_shared_with_a_graph_input_is_masked_by_a_copy():
 
     def f(a, keep):
         outs = []
-        for v in (a.clone(), a.view(6, 2), a.to(a.dtype), a * 2.0):
+        for v in (a.clone(), a.view(6, 2), a.to(a.dtype), a * 2.0, a[:, None].expand(3, 2, 4).contiguous(),
+                  a.to(torch.float64)):
             k = keep.reshape([-1] + [1] * (v.dim() - 1)) if v.shape[0] == 3 else keep.repeat_interleave(2)[:, None]
             outs.append(torch.where(k, v, 0.0).sum(-1))
         return outs
@@ -113,7 +115,9 @@ def test_a_buffer_shared_with_a_graph_input_is_masked_by_a_copy():
     want = gm(a.clone(), keep)
     ctx = types.SimpleNamespace(counters=collections.Counter())
     gm = inplace_row_masks_pass(gm, ctx)
-    assert ctx.counters == {"row_masks_in_place": 1, "row_masks_copied": 3}, ctx.counters
-    got = gm(a.clone(), keep)
+    assert ctx.counters == {"row_masks_in_place": 3, "row_masks_copied": 3}, ctx.counters
+    given = a.clone()
+    got = gm(given, keep)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    torch.testing.assert_close(given, a, equal_nan=True)

@@ -57,6 +57,9 @@ class DPPassContext:
     clip_coef: fx.Node | None = None
     keep_rows: fx.Node | None = None  # bool, shape of r: the sample's gradient is finite (else it is dropped)
     per_sample_norms: fx.Node | None = None
+    # per-sample gradients of summed parameters stacked in one [B, N] fp32 buffer (per_sample_norms):
+    # contribution -> (that buffer, the first of its columns)
+    sample_rows: dict[Any, tuple[fx.Node, int]] = dataclasses.field(default_factory=dict)
     contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     analysis: Any = None
     backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order

@@ -630,6 +630,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
     tp_partials: list[fx.Node] = []  # ... and [B, n] per-sample parts of gradients summed over the group
     report = ctx.summary.setdefault("params", {})
     stacked_rows: list[fx.Node] = []  # [B, n] per-sample gradients whose squares are summed in one reduction
+    stacked_of: list[Contribution] = []  # ... the contribution each is the per-sample form of
     rows_bytes = 0
     kernel_partials: list[fx.Node] = []  # [B, parts] partial squared norms of the norm kernels
     for name, pg in ctx.decompositions.items():
@@ -660,6 +661,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
                 if row is not None and rows_bytes + _row_bytes(row, ctx) <= STACKED_ROWS_MAX_BYTES:
                     rows_bytes += _row_bytes(row, ctx)
                     stacked_rows.append(row)
+                    stacked_of.append(c)
                     entry["decomposition"] = f"{c.kind} over sample rows ({c.node.name})"
                     entry["norm"] = "materialize"
                     entry["why"] = STACKED_ROWS_WHY
@@ -710,6 +712,10 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             b.meta_source = None
             rows = stacked_rows[0] if len(stacked_rows) == 1 else b.call(aten.cat.default, stacked_rows, 1)
             per_param.append(b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, rows, rows), [1]))
+        first = 0
+        for c, row in zip(stacked_of, stacked_rows):  # bk's clipped sums read them (clip_schedule)
+            ctx.sample_rows[c] = (rows, first)
+            first += row.meta["val"].shape[1]
     with graph.inserting_before(out):
         b.meta_source = None
         for lo in range(0, len(kernel_partials), PARTIALS_PER_SUM):

@@ -220,12 +220,16 @@ def _contributions(ctx: DPPassContext) -> list[Contribution]:
 
 
 def choose_deferred(ctx: DPPassContext) -> set[Contribution]:
+    """The contributions rebuilt after the clip coefficients (bk); the others come from ghost's second backward.
+    Under every schedule that includes the sums whose per-sample rows the norm pass keeps: their clipped sum
+    is one small reduction over those rows (_sum_from_rows), and ghost's second backward then has no bias or
+    norm-weight reductions to make."""
     contribs = _contributions(ctx)
     sched = ctx.config.schedule
     if sched == "bk":
         return set(contribs)
     if sched == "ghost":
-        return set()
+        return {c for c in contribs if c in ctx.sample_rows}
     order = {n: i for i, n in enumerate(ctx.backward_nodes)}
     # the backward runs from the loss towards the inputs: late contributions
     # hold their deferred operand for the shortest time, so defer those first
@@ -312,13 +316,16 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     # ghost: a second backward for the parameters with recomputed contributions
     if recompute:
         _second_backward(gm, ctx, b, out, r, B, {c.node for c in recompute}, keep)
-    sched_report["deferred"] = sorted(c.node.name for c in deferred)
+    rebuilt = {c for c in deferred if c not in ctx.sample_rows}
+    sched_report["deferred"] = sorted(c.node.name for c in rebuilt)
+    sched_report["from_rows"] = sorted(c.node.name for c in deferred if c in ctx.sample_rows)
     sched_report["recomputed"] = sorted(c.node.name for c in recompute)
-    sched_report["used"] = "bk" if not recompute else ("ghost" if not deferred else "auto (bk + ghost)")
+    sched_report["used"] = "bk" if not recompute else ("ghost" if not rebuilt else "auto (bk + ghost)")
     ctx.summary.setdefault("params", {})
     for name, pg in ctx.decompositions.items():
         ctx.summary["params"][name]["schedule"] = (
-            "deferred (bk)" if all(c in deferred for c, _ in pg.terms) else "second backward (ghost)"
+            "clipped sum of its per-sample rows" if all(c in ctx.sample_rows and c in deferred for c, _ in pg.terms)
+            else "deferred (bk)" if all(c in deferred for c, _ in pg.terms) else "second backward (ghost)"
         )
         sides = sorted({scaled_side[c] for c, _ in pg.terms if c in scaled_side})
         if sides:

@@ -46,20 +46,15 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
         return True  # unknown: assume it may be removed
-    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
-    if va.dtype != vb.dtype or va.device != vb.device or va.layout != vb.layout:
+    if va.dtype != vb.dtype or va.device != vb.device or va.layout != vb.layout or va.dim() != vb.dim():
         return False
-    if va.dim() != vb.dim():
-        return False
-    # "maybe equal" (not known to differ) counts as equal: Inductor may find them equal where this cannot
-    differ = not statically_known_true(sym_eq(va.size(), vb.size())) and _known_differ(va.size(), vb.size())
-    if not differ and va.layout == torch.strided:
-        differ = not statically_known_true(sym_eq(va.stride(), vb.stride())) and _known_differ(va.stride(), vb.stride())
-    return not differ
+    # symbolic sizes or strides count as equal (Inductor may prove them equal where this cannot tell)
+    return not (_known_differ(va.size(), vb.size())
+                or (va.layout == torch.strided and _known_differ(va.stride(), vb.stride())))
 
 
 def _known_differ(xs, ys) -> bool:
-    """Some position holds two integers that differ (symbolic entries count as equal)."""
+    """Some position holds two integers that differ."""
     return any(isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(xs, ys))
 
 

@@ -713,7 +713,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             rows = stacked_rows[0] if len(stacked_rows) == 1 else b.call(aten.cat.default, stacked_rows, 1)
             per_param.append(b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, rows, rows), [1]))
         first = 0
-        for c, row in zip(stacked_of, stacked_rows):  # bk's clipped sums read them (clip_schedule)
+        for c, row in zip(stacked_of, stacked_rows):  # the clipped sums read them (clip_schedule)
             ctx.sample_rows[c] = (rows, first)
             first += row.meta["val"].shape[1]
     with graph.inserting_before(out):

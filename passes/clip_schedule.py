@@ -179,30 +179,28 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
 SUM_FROM_ROWS = "the per-sample sums (the norm pass's [B, n] rows)"  # the summary's "bk_scaled" for such a sum
 
 
-def _sum_from_rows(b: GraphBuilder, c: Contribution, sample_rows: dict, r: fx.Node, keep: fx.Node | None,
-                   clipped: dict) -> fx.Node:
+def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, widths: list[int], r: fx.Node,
+                   keep: fx.Node | None, clipped: dict) -> fx.Node:
     """A summed parameter's clipped gradient (a bias, a norm weight) from the per-sample sums the norm pass
-    stacked in rows ([B, N] fp32, sample_rows[c] = (rows, c's first column)): sum_b r_b * rows[b], each
-    sample's own sum over its positions being exact, instead of a second pass over the [B, T, C] operand (a
-    ViT-S/16 block's eight such parameters read about 120 MB again). One reduction over all of rows, split
-    once into every parameter's part; a dropped sample's row (inf or NaN) is zeroed, not scaled."""
-    rows, first = sample_rows[c]
+    stacked in rows ([B, N] fp32, columns of widths[i] for the i-th such parameter; c's are at ``index``):
+    sum_b r_b * rows[b], each sample's own sum over its positions being exact, instead of a second pass over
+    the [B, T, C] operand (a ViT-S/16 block's eight such parameters read about 120 MB again). One reduction
+    over all of rows, split once into every parameter's part; a dropped sample's row (inf or NaN) is zeroed,
+    not scaled."""
     if rows not in clipped:
-        B, N = rows.meta["val"].shape
+        B = rows.meta["val"].shape[0]
         scaled = b.call(aten.mul.Tensor, rows, b.view(r, [B, 1]))
         if keep is not None:
             scaled = b.call(aten.where.self, b.view(keep, [B, 1]), scaled,
                             b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32))
         total = b.call(aten.sum.dim_IntList, scaled, [0])
-        starts = sorted(f for rs, f in sample_rows.values() if rs is rows)
-        widths = [hi - lo for lo, hi in zip(starts, starts[1:] + [N])]
         # one split, not a slice per parameter: each node the partitioner adds is traced (about 1.5 ms on
         # CPU), and a ViT or GPT-2 has about a hundred such parameters
         parts = b.call(aten.split_with_sizes.default, total, widths) if len(widths) > 1 else None
-        clipped[rows] = (total, parts, {f: i for i, f in enumerate(starts)})
-    total, parts, index = clipped[rows]
+        clipped[rows] = (total, parts)
+    total, parts = clipped[rows]
     want = c.node.meta["val"]
-    part = total if parts is None else b.call(operator.getitem, parts, index[first])
+    part = total if parts is None else b.call(operator.getitem, parts, index)
     if want.dim() != 1:  # (a 1-D gradient, most of them, is the part itself: no node to trace)
         part = b.reshape(part, list(want.shape))
     return part if want.dtype == torch.float32 else b.call(torch.ops.prims.convert_element_type.default, part,
@@ -309,7 +307,7 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
                 continue
             b.meta_source = c.node
             if c in ctx.sample_rows:
-                new = _sum_from_rows(b, c, ctx.sample_rows, r, keep, clipped_rows)
+                new = _sum_from_rows(b, c, *ctx.sample_rows[c], r, keep, clipped_rows)
                 scaled_side[c] = SUM_FROM_ROWS
                 c.node.replace_all_uses_with(new)
                 ctx.counters["bk_sums_from_rows"] += 1

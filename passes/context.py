@@ -58,8 +58,8 @@ class DPPassContext:
     keep_rows: fx.Node | None = None  # bool, shape of r: the sample's gradient is finite (else it is dropped)
     per_sample_norms: fx.Node | None = None
     # per-sample gradients of summed parameters stacked in one [B, N] fp32 buffer (per_sample_norms):
-    # contribution -> (that buffer, the first of its columns)
-    sample_rows: dict[Any, tuple[fx.Node, int]] = dataclasses.field(default_factory=dict)
+    # contribution -> (that buffer, the index of its columns among the stacked gradients', their widths)
+    sample_rows: dict[Any, tuple[fx.Node, int, list[int]]] = dataclasses.field(default_factory=dict)
     contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     analysis: Any = None
     backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order

@@ -712,10 +712,9 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             b.meta_source = None
             rows = stacked_rows[0] if len(stacked_rows) == 1 else b.call(aten.cat.default, stacked_rows, 1)
             per_param.append(b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, rows, rows), [1]))
-        first = 0
-        for c, row in zip(stacked_of, stacked_rows):  # the clipped sums read them (clip_schedule)
-            ctx.sample_rows[c] = (rows, first)
-            first += row.meta["val"].shape[1]
+        widths = [row.meta["val"].shape[1] for row in stacked_rows]
+        for i, c in enumerate(stacked_of):  # the clipped sums read them (clip_schedule)
+            ctx.sample_rows[c] = (rows, i, widths)
     with graph.inserting_before(out):
         b.meta_source = None
         for lo in range(0, len(kernel_partials), PARTIALS_PER_SUM):

@@ -16,7 +16,19 @@ norms and the clipped gradients are bit-for-bit the same sums.
 An operand that is a transpose or permute of another node is padded at its
 base and permuted again, so one padded copy serves every contraction that
 reads the same tensor (an LM head's output gradient feeds the input gradient,
-the weight gradient and the norm Gram).
+the weight gradient and the norm Gram). A row mask ``where(keep, x, 0)`` is
+padded as ``where(keep, pad(x), 0)``: zeros stay zeros, and bk's weight
+gradient then reads the masked padded buffer (masked in place after the
+partition) instead of a second padded copy.
+
+A padded value the step computes with a pointwise op (an LM head's logits
+gradient) is computed padded: its other readers read a slice of the padded
+buffer, so Inductor fuses the pad into the op that makes the value and writes
+one buffer, not the value and a padded copy of it (GPT-2-small's [8192, 50257]
+bf16 logits gradient: two 0.57 ms copies a step on an H100, BENCHMARKS.md).
+A reader that needs the value's own layout (a graph output, a collective, a
+kernel that reads memory as contiguous, a view that cannot be taken of the
+slice) keeps reading the value.
 """
 from __future__ import annotations
 
@@ -25,6 +37,7 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import GraphBuilder
 from .context import DPPassContext
+from .inplace_row_masks import ROW_MASK
 
 aten = torch.ops.aten
 # The devices whose GEMM libraries want aligned sizes (the CPU tests add "cpu").
@@ -34,6 +47,9 @@ ALIGNMENT = {torch.bfloat16: 8, torch.float16: 8}
 _TF32_ALIGNMENT = 4
 _PERMUTES = (aten.permute.default, aten.t.default, aten.transpose.int)
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# readers that read a value through its strides and make a tensor of their own (beside pointwise ops)
+_STRIDED_READERS = {aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.mean.dim,
+                    aten.constant_pad_nd.default}
 # mat1, mat2 at args 0, 1; addmm (bias first) is handled apart
 _CONTRACTIONS = {getattr(op, name) for op in (aten.mm, aten.bmm) for name in ("default", "dtype") if hasattr(op, name)}
 
@@ -51,10 +67,19 @@ def _alignment(dtype: torch.dtype) -> int:
     return 0
 
 
-def _extra(size, align: int) -> int:
-    """How many zeros make a static ``size`` a multiple of ``align`` (symbolic sizes: none)."""
+def _extra(size, align: int, itemsize: int) -> int:
+    """How many zeros make a static ``size`` a multiple of ``align`` (symbolic sizes: none).
+
+    A size past Inductor's stride-padding threshold is padded to the width Inductor pads such a buffer's
+    stride to (``padding_alignment_bytes``: 64 bf16 elements): a value computed padded then has rows as wide
+    as the stride Inductor would have given it unpadded, so the kernel that writes it reads and writes at the
+    same offsets (vectorised), and no padded row holds a second, unused gap."""
     if not isinstance(size, int) or align == 0 or size <= 1 or size % align == 0:
         return 0
+    from torch._inductor import config as inductor_config
+
+    if inductor_config.comprehensive_padding and size > inductor_config.padding_stride_threshold:
+        align = max(align, inductor_config.padding_alignment_bytes // itemsize)
     return -size % align
 
 
@@ -76,6 +101,8 @@ class _Padder:
         self.b = GraphBuilder(gm.graph, tag=None)
         self.cache: dict[tuple[fx.Node, int, int], fx.Node] = {}
         self.created: list[fx.Node] = []
+        # a node the graph had -> (the padded node standing in for it, padded dim, its size there)
+        self.stand_ins: dict[fx.Node, tuple[fx.Node, int, int]] = {}
 
     def drop_unused(self) -> None:
         """Intermediate views of padded bases that no contraction ended up reading."""
@@ -101,12 +128,102 @@ class _Padder:
                 args[0] = [*args[0][:dim], args[0][dim] + extra, *args[0][dim + 1:]]
             self._like(x)
             out = self.b.call(x.target, padded_base, *args)
+        elif self._is_row_mask(x, dim):  # where(keep, x, 0) padded is where(keep, pad(x), 0)
+            keep, inner, zero = x.args
+            padded_inner = self.pad(inner, dim, extra)
+            self._like(x)
+            out = self.b.call(x.target, keep, padded_inner, zero)
+            for k, v in x.meta.items():  # the row-mask tag and the dp tags travel with it
+                out.meta.setdefault(k, v)
+            self._stand_in(x, out, dim)
         else:
             self._like(x)
             out = self.b.call(aten.constant_pad_nd.default, x, [0, 0] * (nd - 1 - dim) + [0, extra], 0.0)
+            self._stand_in(x, out, dim)
         self.cache[key] = out
         self.created.append(out)
         return out
+
+    def _stand_in(self, x: fx.Node, out: fx.Node, dim: int) -> None:
+        if x in self.stand_ins:  # padded along two dims or by two amounts: its readers keep x
+            self.stand_ins[x] = None
+        else:
+            self.stand_ins[x] = (out, dim, x.meta["val"].shape[dim])
+
+    def share_with_readers(self) -> int:
+        """Let the other readers of a pointwise value read a slice of its padded stand-in, so that Inductor
+        computes the value padded in one buffer instead of the value and a padded copy. Returns how many
+        values now have no reader but their stand-in."""
+        shared = 0
+        created = set(self.created)
+        live = _live_nodes(next(iter(self.stand_ins)).graph) if self.stand_ins else set()
+        for x, entry in list(self.stand_ins.items()):
+            if entry is None or x in created or not _computed_pointwise(x):
+                continue
+            out, dim, size = entry
+            readers = {}
+            for u in x.users:
+                if u is out or u in created or u not in live:
+                    continue
+                vals = _vals_with_slice(u, x, out, dim, size, self.b.fake_mode)
+                if vals is not None:
+                    readers[u] = vals
+            if not readers or not self._move_after(out, x):
+                continue
+            with x.graph.inserting_after(out):
+                self._like(x)
+                view = self.b.call(aten.slice.Tensor, out, dim, 0, size)
+            self.created.append(view)
+            for u, vals in readers.items():
+                u.replace_input_with(x, view)
+                for n, v in vals.items():
+                    n.meta["val"] = v
+            shared += all(u is out or u in created or u not in live for u in x.users)
+        return shared
+
+    def _move_after(self, out: fx.Node, x: fx.Node) -> bool:
+        """Place ``out`` and the padded nodes it is built from right after x (so x's earlier readers can read
+        it), where everything else they read comes before x."""
+        created = set(self.created)
+        chain, seen = [], set()
+
+        def visit(n):
+            if n in seen or n not in created:
+                return
+            seen.add(n)
+            for a in n.all_input_nodes:
+                visit(a)
+            chain.append(n)  # inputs first
+        visit(out)
+        order = {n: i for i, n in enumerate(x.graph.nodes)}
+        if any(order[a] > order[x] for n in chain for a in n.all_input_nodes if a not in seen):
+            return False
+        anchor = x
+        for n in chain:
+            if order[n] > order[x]:
+                anchor.append(n)
+            anchor = n if order[n] > order[x] else anchor
+        return True
+
+    @staticmethod
+    def _is_row_mask(x: fx.Node, dim: int) -> bool:
+        """``where(keep, inner, 0)`` with keep constant along ``dim`` (a per-sample or per-row mask)."""
+        if x.op != "call_function" or x.target is not aten.where.self or ROW_MASK not in x.meta:
+            return False
+        keep, inner, zero = x.args
+        if not (isinstance(inner, fx.Node) and isinstance(keep, fx.Node) and isinstance(zero, fx.Node)):
+            return False
+        vx, vi = x.meta["val"], inner.meta["val"]
+        if tuple(vi.shape) != tuple(vx.shape) or vi.dtype != vx.dtype:
+            return False
+        vk, vz = keep.meta["val"], zero.meta["val"]
+        k = dim - (vx.dim() - vk.dim())
+        if k >= 0 and vk.shape[k] != 1:
+            return False
+        z = dim - (vx.dim() - vz.dim())
+        if z >= 0 and vz.shape[z] != 1:
+            return False
+        return _is_zero(zero)
 
     @staticmethod
     def _base_dim(x: fx.Node, dim: int) -> int | None:
@@ -143,7 +260,8 @@ def _sizes(node: fx.Node):
     return a, b, sa[-2], sa[-1], sb[-1]
 
 
-def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext, *, share_readers: bool = True
+                              ) -> fx.GraphModule:
     padder = _Padder(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -156,7 +274,8 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Grap
         if va.device.type not in PAD_DEVICES or va.dtype != vb.dtype:
             continue
         align = _alignment(va.dtype)
-        pm, pk, pn = _extra(M, align), _extra(K, align), _extra(N, align)
+        itemsize = va.dtype.itemsize
+        pm, pk, pn = _extra(M, align, itemsize), _extra(K, align, itemsize), _extra(N, align, itemsize)
         if not (pm or pk or pn):
             continue
         with gm.graph.inserting_before(node):
@@ -172,11 +291,76 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Grap
             u.replace_input_with(out, dense)
         gm.graph.erase_node(node)
         ctx.counters["contractions_padded"] += 1
+    if share_readers:
+        shared = padder.share_with_readers()
+        if shared:
+            ctx.counters["padded_values_shared"] += shared
     padder.drop_unused()
     pads = sum(n.target is aten.constant_pad_nd.default for n in padder.created)
     if pads:
         ctx.counters["contraction_operands_padded"] += pads
     return gm
+
+
+def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value reaches the output or an op with side effects (the rest is dead code the contractions
+    left behind: the unpadded operands' views)."""
+    live: set[fx.Node] = set()
+    for n in reversed(graph.nodes):
+        if n.op == "output" or n.is_impure() or any(u in live for u in n.users):
+            live.add(n)
+    return live
+
+
+def _is_zero(node: fx.Node) -> bool:
+    t = node.target
+    if t is aten.scalar_tensor.default:
+        return node.args[0] == 0
+    if t is aten.full.default:
+        return node.args[1] == 0
+    return False
+
+
+def _computed_pointwise(x: fx.Node) -> bool:
+    """A value a pointwise op makes in the step: Inductor can write it padded in the same kernel."""
+    t = x.target
+    return (x.op == "call_function" and isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+            and not t._schema.is_mutable)
+
+
+def _vals_with_slice(u: fx.Node, x: fx.Node, out: fx.Node, dim: int, size: int, fake_mode):
+    """Whether reader u of x can read ``out[..., :size, ...]`` (the slice of x's padded stand-in) instead:
+    the new fake values of u and of the views after it (their strides change), or None where it cannot."""
+    with fake_mode:
+        sliced = out.meta["val"].narrow(dim, 0, size)
+    return _reader_vals(u, {x: sliced}, fake_mode)
+
+
+def _reader_vals(u: fx.Node, subst: dict, fake_mode):
+    t = u.target
+    if u.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+        return None  # graph outputs keep eager's strides; mutations and unknown readers keep x
+    view = t.is_view or t in _VIEWS
+    if not (view or torch.Tag.pointwise in t.tags or t in _STRIDED_READERS or t in _CONTRACTIONS
+            or t is aten.addmm.default or t.namespace == "dpcompile"):
+        return None
+    args, kwargs = fx.node.map_arg((u.args, u.kwargs), lambda n: subst[n] if n in subst else n.meta.get("val"))
+    try:
+        with fake_mode:
+            val = t(*args, **kwargs)
+    except Exception:  # e.g. a view the slice's strides do not allow
+        return None
+    if not view:
+        return {}  # a tensor of its own: its layout does not follow the slice's
+    if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(u.meta["val"].shape):
+        return None
+    vals = {u: val}
+    for w in u.users:
+        more = _reader_vals(w, {u: val}, fake_mode)
+        if more is None:
+            return None
+        vals.update(more)
+    return vals
 
 
 def _is_collective(node: fx.Node) -> bool:

@@ -104,3 +104,87 @@ def test_every_layer_kind_stays_exact_when_padded(case, schedule, compiler, monk
     backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, compiler=compiler)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters["contractions_padded"] > 0, record.counters
+
+
+def _computed_lm_head(with_fixed_readers: bool):
+    """An LM head's backward whose output gradient the step computes (a pointwise op), as the logits gradient
+    is: the input gradient, a per-sample Gram, bk's row-masked weight gradient and a bias-like sum read it."""
+    from dpcompile.passes.inplace_row_masks import ROW_MASK
+
+    def f(logits, w, x, keep):
+        g = logits * 3.0
+        g3 = g.view(2, 8, 13)
+        gram = aten.bmm.dtype(g3, g3.transpose(1, 2), torch.float32)
+        masked = torch.where(keep, g, torch.scalar_tensor(0.0, dtype=g.dtype))
+        outs = (torch.mm(g, w), torch.mm(masked.t(), x), gram, g.sum(0))
+        # a graph output keeps eager's layout; a flattening view cannot be taken of a slice of the padded buffer
+        return outs + (g, g.view(-1) * 2) if with_fixed_readers else outs
+
+    with FakeTensorMode():
+        args = (torch.empty(16, 13, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(13, 16, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(16, 16, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(16, 1, dtype=torch.bool, device="cuda"))
+        gm = make_fx(f)(*args)
+    (where,) = gm.graph.find_nodes(op="call_function", target=aten.where.self)
+    where.meta[ROW_MASK] = 0  # as clip_schedule tags bk's masks
+    return gm
+
+
+def test_a_computed_operand_is_computed_padded_and_read_sliced():
+    """The pad of a value the step computes stands in for it: every reader reads the padded buffer or a slice
+    of it, so Inductor writes one padded buffer (no copy), and the row mask is taken of the padded buffer."""
+    ctx = _Ctx()
+    gm = finalize(AC.aligned_contractions_pass(_computed_lm_head(False), ctx))
+    gm.graph.eliminate_dead_code()  # the unpadded operands' views the contractions no longer read
+    assert ctx.counters["contractions_padded"] == 3
+    assert ctx.counters["padded_values_shared"] == 1
+    (mul,) = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
+    (pad,) = mul.users  # nothing else reads the unpadded value
+    assert pad.target is aten.constant_pad_nd.default and tuple(pad.meta["val"].shape) == (16, 16)
+    assert ctx.counters["contraction_operands_padded"] == 2  # that value and the weight, once each
+    (where,) = gm.graph.find_nodes(op="call_function", target=aten.where.self)
+    assert where.args[1] is pad and tuple(where.meta["val"].shape) == (16, 16)
+    (s,) = gm.graph.find_nodes(op="call_function", target=aten.sum.dim_IntList)
+    assert s.args[0].target is aten.slice.Tensor and s.args[0].args[0] is pad
+    assert tuple(s.meta["val"].shape) == (13,)
+    dx, dw, gram, _ = gm.graph.find_nodes(op="output")[0].args[0]
+    assert [tuple(o.meta["val"].shape) for o in (dx, dw, gram)] == [(16, 16), (13, 16), (2, 8, 8)]
+
+
+def test_readers_that_need_the_values_layout_keep_it():
+    ctx = _Ctx()
+    gm = finalize(AC.aligned_contractions_pass(_computed_lm_head(True), ctx))
+    gm.graph.eliminate_dead_code()
+    assert ctx.counters["contractions_padded"] == 3
+    assert "padded_values_shared" not in ctx.counters  # the value still has readers of its own
+    (mul,) = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor, sort=True)[:1]
+    readers = {u.target for u in mul.users}
+    assert aten.view.default in readers and "output" in {u.op for u in mul.users}
+    (s,) = gm.graph.find_nodes(op="call_function", target=aten.sum.dim_IntList)
+    assert s.args[0].target is aten.slice.Tensor  # the sum still reads the padded buffer
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_computed_padded_values_give_the_exact_gradients(schedule, monkeypatch):
+    """The sharing at work on a GPT (logits gradient, attention and MLP gradients all computed padded), against
+    the vmap(grad) oracle with clipping active, through Inductor."""
+    monkeypatch.setattr(AC, "PAD_DEVICES", ("cpu",))
+    monkeypatch.setattr(AC, "ALIGNMENT", {torch.float32: 8})
+    torch.manual_seed(1)
+    model = M.GPT(vocab=13, d=12, n_head=2, n_layer=1, max_t=6)
+    ids, y = torch.randint(0, 13, (5, 6)), torch.randint(0, 13, (5, 6))
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["padded_values_shared"] >= 5, record.counters
+
+
+def test_large_sizes_pad_to_the_width_inductor_pads_strides_to():
+    """Past Inductor's stride-padding threshold a size is padded to 128 bytes (GPT-2's vocab 50257 -> 50304 in
+    bf16), so a value computed padded has the row stride Inductor would give it unpadded; small sizes to 16
+    bytes."""
+    assert AC._extra(50257, 8, 2) == 47 and (50257 + 47) % 64 == 0
+    assert AC._extra(50257, 4, 4) == 15 and (50257 + 15) % 32 == 0  # fp32 under TF32
+    assert AC._extra(1001, 8, 2) == 7
+    assert AC._extra(50264, 8, 2) == 0  # aligned for cuBLAS: Inductor pads the stride itself
+    assert AC._extra(13, 0, 4) == 0

@@ -133,3 +133,20 @@ def zero_rows_kernel(x_ptr, keep_ptr, keep_stride, row_stride, P, s_p, Q, BLOCK:
                 tl.store(run + offs, zeros, mask=offs < Q)
                 q0 += BLOCK
             p += 1
+
+
+@triton.jit
+def randn_kernel(out_ptr, seeds_ptr, index, n, BLOCK: tl.constexpr):
+    # One Philox call per counter gives four 32-bit words, and randn4x turns them into four normals (both
+    # outputs of two Box-Muller pairs); tl.randn, which Inductor's inductor_random runs per element, keeps one
+    # of the four. Program p uses counters [p * BLOCK, (p + 1) * BLOCK) and writes outputs
+    # [4 p BLOCK, 4 (p + 1) BLOCK): every output comes from its own (counter, word), never shared.
+    p = tl.program_id(0)
+    seed = tl.load(seeds_ptr + index)
+    lane = tl.arange(0, BLOCK)
+    r0, r1, r2, r3 = tl.randn4x(seed, p * BLOCK + lane)
+    base = p.to(tl.int64) * (4 * BLOCK) + lane
+    tl.store(out_ptr + base, r0, mask=base < n)
+    tl.store(out_ptr + base + BLOCK, r1, mask=base + BLOCK < n)
+    tl.store(out_ptr + base + 2 * BLOCK, r2, mask=base + 2 * BLOCK < n)
+    tl.store(out_ptr + base + 3 * BLOCK, r3, mask=base + 3 * BLOCK < n)

@@ -21,6 +21,12 @@ tp rank 0 only), sliced into the chunk's parameters and added by one
 flat draw is larger than a chunk (128 MiB of fp32 by default). A chunk's draw
 lives until its foreach add; how many are alive at once is Inductor's
 scheduling (GPT-2-small bf16 on an H200: peak memory unchanged).
+
+On CUDA a chunk's flat draw is ``dpcompile::randn`` (dpcompile.randn: four
+normals per Philox call; Inductor's ``inductor_random`` makes one per call and
+was integer-bound: 4.6 of a Llama-3.2-1B step's 10.6 ms of noise GPU time on an
+H100). A parameter with a draw of its own keeps ``inductor_random``, which
+Inductor fuses into its add (one read and one write of the gradient).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from dpcompile import randn as _randn  # noqa: F401  (defines dpcompile::randn)
 from dpcompile.fx_utils import GraphBuilder
 
 from .context import DPPassContext, ParamInfo
@@ -38,6 +45,8 @@ prims = torch.ops.prims
 
 # 128 MiB of fp32 draws: GPT-2-small's embedding alone (it is bigger), its 148 other parameters in 3 draws
 CHUNK_NUMEL = 1 << 25
+# the devices whose chunk draws run dpcompile::randn's Triton kernel (the CPU tests add "cpu" under TRITON_INTERPRET)
+TRITON_DRAW_DEVICES = ("cuda",)
 
 
 def _chunks(group: list[tuple[int, fx.Node, ParamInfo]], chunk_numel: int) -> list[list[tuple[int, fx.Node, ParamInfo]]]:
@@ -88,13 +97,16 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             groups.setdefault((outs[i].meta["val"].device, pg.param.tp_grad), []).append((i, outs[i], pg.param))
             ctx.counters["noise_added"] += 1
 
-        def draw(numel: int, param: ParamInfo) -> fx.Node:
+        def draw(numel: int, param: ParamInfo, device: torch.device, flat: bool) -> fx.Node:
+            ctx.counters["noise_draws"] += 1
+            if flat and device.type in TRITON_DRAW_DEVICES:
+                ctx.counters["noise_draws_triton"] += 1
+                return b.call(torch.ops.dpcompile.randn.default, seeds, param.noise_index, numel)
             seed = b.call(prims.inductor_lookup_seed.default, seeds, param.noise_index)
             # it reads only a graph input, so the min-cut would put it in the forward and save its scalar for
             # the backward: one forward node and one saved tensor per parameter, and Inductor's fusion tried
             # every pair of them (they all read the seeds): 23k of a 12-layer GPT forward's 23.5k fusion checks
             seed.meta["partitioner_tag"] = "must_be_in_backward"
-            ctx.counters["noise_draws"] += 1
             return b.call(prims.inductor_random.default, [numel], seed, "randn")
 
         def scaled(z: fx.Node, g: fx.Node) -> fx.Node:
@@ -102,13 +114,13 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             z = b.call(aten.mul.Tensor, b.view(z, gv.shape), scale)
             return z if gv.dtype == torch.float32 else b.call(prims.convert_element_type.default, z, gv.dtype)
 
-        for group in groups.values():
+        for (device, _), group in groups.items():
             for chunk in _chunks(group, chunk_numel):
                 if len(chunk) == 1 and chunk[0][1].meta["val"].numel() >= chunk_numel:
                     i, g, param = chunk[0]
-                    outs[i] = b.call(aten.add.Tensor, g, scaled(draw(g.meta["val"].numel(), param), g))
+                    outs[i] = b.call(aten.add.Tensor, g, scaled(draw(g.meta["val"].numel(), param, device, False), g))
                     continue
-                z = draw(sum(g.meta["val"].numel() for _, g, _ in chunk), chunk[0][2])
+                z = draw(sum(g.meta["val"].numel() for _, g, _ in chunk), chunk[0][2], device, True)
                 zs, offset = [], 0
                 for _, g, _ in chunk:
                     n = g.meta["val"].numel()

@@ -101,6 +101,15 @@ def test_cuda_noise_std():
     z = z - z.mean(0)  # the clipped sum is the same every step
     std = z.std().item()
     assert abs(std / (2.0 * 0.5 / 4) - 1) < 0.05, std
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert rec.counters["noise_draws_triton"] == rec.counters["noise_draws"] == 1, rec.counters
+
+
+def test_cuda_randn_kernel_draws_standard_normals():
+    """dpcompile::randn compiled for the GPU (the chunk draws of every CUDA step): a million draws."""
+    import noise_kernel_check
+
+    noise_kernel_check.assert_standard_normal(noise_kernel_check.draw_statistics("cuda", 1_000_003))
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])

@@ -127,3 +127,33 @@ def test_seeds_are_the_splitmix64_stream_in_int64():
         ns.index_ranks = {2: 0, 5: 7}  # tensor parallel: a replicated parameter's stream is another rank's
         assert ns.seeds_for(step, 9) == reference(ns, step, 9)
         assert ns.next(9, torch.device("cpu")).dtype == torch.int64
+
+
+def test_the_triton_draw_is_standard_normal_and_so_is_the_steps_noise():
+    """dpcompile::randn's kernel (CUDA's chunk draws) under the Triton interpreter: alone, and as the compiled
+    step's noise (mean 0, std s C k, every coordinate, fresh each step)."""
+    import noise_kernel_check
+    from helpers import run_interpreted
+
+    report = run_interpreted("noise_kernel_check.py")
+    noise_kernel_check.assert_standard_normal(report["kernel"])
+    step = report["step"]
+    assert step["counters"]["noise_draws_triton"] == step["counters"]["noise_draws"] == 1, step["counters"]
+    n = step["n"]
+    assert abs(step["mean"]) < 4.5 / np.sqrt(n), step
+    lo, hi = scipy.stats.chi2.ppf([1e-6, 1 - 1e-6], n) / n
+    assert lo < step["mean_sq"] < hi, step
+    assert step["ks_p"] > 1e-4 and abs(step["steps_corr"]) < 4.5 / np.sqrt(n), step
+
+
+def test_chunk_draws_through_the_op_keep_the_graph(monkeypatch):
+    """The op's plumbing on CPU (torch's generator behind it there): flat chunk draws on the op, a parameter
+    with a draw of its own on Inductor's fused RNG, the same foreach adds, Gaussian noise of the right scale."""
+    monkeypatch.setattr(noise_pass, "TRITON_DRAW_DEVICES", ("cpu",))
+    monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", 8)  # 35 and 21 alone, [7] and [3] as chunks
+    z, std, backend = _run_steps(seed=5, n_steps=60)
+    c = backend.compiled[0].counters
+    assert (c["noise_draws"], c["noise_draws_triton"], c["noise_foreach_adds"]) == (4, 2, 2), c
+    flat = (z / std).flatten().numpy()
+    lo, hi = scipy.stats.chi2.ppf([1e-6, 1 - 1e-6], flat.size) / flat.size
+    assert lo < (flat ** 2).mean() < hi and abs(flat.mean()) < 4.5 / np.sqrt(flat.size)

@@ -7,8 +7,9 @@ one H100 a Llama-3.2-1B step (1.24 billion coordinates) spent 7.35 ms of GPU tim
 about 1.7 ms to write them (BENCHMARKS.md). This op runs ``tl.randn4x``, which turns every word into a normal.
 
 seeds: the step's int64 seeds on the draws' device, index: this draw's entry (read by the kernel: no host sync,
-and no kernel of its own to look the seed up). Every output comes from its own Philox counter and word, so a draw has independent N(0, 1) coordinates
-and a seed's stream does not depend on anything but ``numel``'s round-up to whole programs. CUDA runs the Triton
+and no kernel of its own to look the seed up). Every output comes from its own Philox counter and word, so a draw
+has independent N(0, 1) coordinates, and a coordinate's value depends on the seed and its position only, not on
+``numel`` (a longer draw starts with the same values). CUDA runs the Triton
 kernel (CPU tensors too under ``TRITON_INTERPRET=1``, through ``launch``); other devices draw with torch's CPU
 generator seeded from the seed (not used by the compiled steps, which draw with Inductor's RNG there).
 """

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch._inductor import config as inductor_config
 
 from dpcompile.fx_utils import GraphBuilder
 from .context import DPPassContext
@@ -76,8 +77,6 @@ def _extra(size, align: int, itemsize: int) -> int:
     same offsets (vectorised), and no padded row holds a second, unused gap."""
     if not isinstance(size, int) or align == 0 or size <= 1 or size % align == 0:
         return 0
-    from torch._inductor import config as inductor_config
-
     if inductor_config.comprehensive_padding and size > inductor_config.padding_stride_threshold:
         align = max(align, inductor_config.padding_alignment_bytes // itemsize)
     return -size % align
@@ -156,7 +155,7 @@ class _Padder:
         values now have no reader but their stand-in."""
         shared = 0
         created = set(self.created)
-        live = _live_nodes(next(iter(self.stand_ins)).graph) if self.stand_ins else set()
+        live = _live_nodes(self.b.graph) if self.stand_ins else set()
         for x, entry in list(self.stand_ins.items()):
             if entry is None or x in created or not _computed_pointwise(x):
                 continue
@@ -168,7 +167,7 @@ class _Padder:
                 vals = _vals_with_slice(u, x, out, dim, size, self.b.fake_mode)
                 if vals is not None:
                     readers[u] = vals
-            if not readers or not self._move_after(out, x):
+            if not readers or not self._move_after(out, x, created):
                 continue
             with x.graph.inserting_after(out):
                 self._like(x)
@@ -181,10 +180,10 @@ class _Padder:
             shared += all(u is out or u in created or u not in live for u in x.users)
         return shared
 
-    def _move_after(self, out: fx.Node, x: fx.Node) -> bool:
+    @staticmethod
+    def _move_after(out: fx.Node, x: fx.Node, created: set[fx.Node]) -> bool:
         """Place ``out`` and the padded nodes it is built from right after x (so x's earlier readers can read
         it), where everything else they read comes before x."""
-        created = set(self.created)
         chain, seen = [], set()
 
         def visit(n):
@@ -202,7 +201,7 @@ class _Padder:
         for n in chain:
             if order[n] > order[x]:
                 anchor.append(n)
-            anchor = n if order[n] > order[x] else anchor
+                anchor = n
         return True
 
     @staticmethod
@@ -260,8 +259,7 @@ def _sizes(node: fx.Node):
     return a, b, sa[-2], sa[-1], sb[-1]
 
 
-def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext, *, share_readers: bool = True
-                              ) -> fx.GraphModule:
+def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     padder = _Padder(gm)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -291,10 +289,9 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext, *, share_r
             u.replace_input_with(out, dense)
         gm.graph.erase_node(node)
         ctx.counters["contractions_padded"] += 1
-    if share_readers:
-        shared = padder.share_with_readers()
-        if shared:
-            ctx.counters["padded_values_shared"] += shared
+    shared = padder.share_with_readers()
+    if shared:
+        ctx.counters["padded_values_shared"] += shared
     padder.drop_unused()
     pads = sum(n.target is aten.constant_pad_nd.default for n in padder.created)
     if pads:

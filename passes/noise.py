@@ -45,7 +45,8 @@ prims = torch.ops.prims
 
 # 128 MiB of fp32 draws: GPT-2-small's embedding alone (it is bigger), its 148 other parameters in 3 draws
 CHUNK_NUMEL = 1 << 25
-# the devices whose chunk draws run dpcompile::randn's Triton kernel (the CPU tests add "cpu" under TRITON_INTERPRET)
+# the devices whose chunk draws run dpcompile::randn (the CPU tests add "cpu": its Triton kernel under
+# TRITON_INTERPRET=1, torch's generator otherwise)
 TRITON_DRAW_DEVICES = ("cuda",)
 
 

@@ -1,6 +1,7 @@
 """dpcompile's Triton kernels, imported on first launch (so triton is needed only where they run): the per-sample
-norm of a convolution's weight gradient (dpcompile.conv_sq_norms) and the ghost form's Gram product
-(dpcompile.gram_sq_norms). Their launch arguments, tiles and fallbacks live in those modules."""
+norm of a convolution's weight gradient (dpcompile.conv_sq_norms), the ghost form's Gram product
+(dpcompile.gram_sq_norms), the noise draws (dpcompile.randn, dpcompile.add_randn). Their launch arguments,
+tiles and fallbacks live in those modules."""
 import triton
 import triton.language as tl
 
@@ -150,3 +151,55 @@ def randn_kernel(out_ptr, seeds_ptr, index, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + base + BLOCK, r1, mask=base + BLOCK < n)
     tl.store(out_ptr + base + 2 * BLOCK, r2, mask=base + 2 * BLOCK < n)
     tl.store(out_ptr + base + 3 * BLOCK, r3, mask=base + 3 * BLOCK < n)
+
+
+@triton.jit
+def _add_randn_program(src, out, n, local, program, seed, scale, BLOCK: tl.constexpr):
+    # outputs [4 local BLOCK, 4 (local + 1) BLOCK) of one tensor, from the counters randn_kernel's program
+    # `program` uses: the same values as its flat draw at that program's outputs
+    lane = tl.arange(0, BLOCK)
+    r0, r1, r2, r3 = tl.randn4x(seed, program * BLOCK + lane)
+    base = local.to(tl.int64) * (4 * BLOCK) + lane
+    m = base < n
+    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r0).to(out.dtype.element_ty), mask=m)
+    base += BLOCK
+    m = base < n
+    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r1).to(out.dtype.element_ty), mask=m)
+    base += BLOCK
+    m = base < n
+    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r2).to(out.dtype.element_ty), mask=m)
+    base += BLOCK
+    m = base < n
+    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r3).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def add_randn_kernel(table_ptr, tensors, src_ref, out_ref, seeds_ptr, index, scale_ptr, BLOCK: tl.constexpr):
+    # One program per 4 BLOCK outputs of one tensor, all tensors of one source and one output dtype (src_ref's
+    # and out_ref's) in one launch. The table (dpcompile.add_randn._table) holds per tensor its source and output
+    # addresses, numel, first program in this launch and first program in the flat draw; a program finds its
+    # tensor by a binary search over the first programs (a few loads, from L2: no per-program table to build
+    # and copy on the host).
+    p = tl.program_id(0)
+    lo = 0
+    hi = tensors
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(table_ptr + 5 * mid + 3) <= p:
+            lo = mid
+        else:
+            hi = mid
+    row = table_ptr + 5 * lo
+    src = tl.load(row).to(tl.pointer_type(src_ref.dtype.element_ty))
+    out = tl.load(row + 1).to(tl.pointer_type(out_ref.dtype.element_ty))
+    local = p - tl.load(row + 3)
+    _add_randn_program(src, out, tl.load(row + 2), local, tl.load(row + 4) + local, tl.load(seeds_ptr + index),
+                       tl.load(scale_ptr), BLOCK)
+
+
+@triton.jit(do_not_specialize=["n", "start"])
+def add_randn_one_kernel(src, out, n, start, seeds_ptr, index, scale_ptr, BLOCK: tl.constexpr):
+    # One tensor (while a CUDA graph is captured: no address table): program p is the draw's program start + p.
+    # n and start unspecialised: one compiled kernel per pair of dtypes, not one per tensor size.
+    p = tl.program_id(0)
+    _add_randn_program(src, out, n, p, start + p, tl.load(seeds_ptr + index), tl.load(scale_ptr), BLOCK)

@@ -22,11 +22,15 @@ flat draw is larger than a chunk (128 MiB of fp32 by default). A chunk's draw
 lives until its foreach add; how many are alive at once is Inductor's
 scheduling (GPT-2-small bf16 on an H200: peak memory unchanged).
 
-On CUDA a chunk's flat draw is ``dpcompile::randn`` (dpcompile.randn: four
-normals per Philox call; Inductor's ``inductor_random`` makes one per call and
-was integer-bound: 4.6 of a Llama-3.2-1B step's 10.6 ms of noise GPU time on an
-H100). A parameter with a draw of its own keeps ``inductor_random``, which
-Inductor fuses into its add (one read and one write of the gradient).
+On CUDA the draw and the add are one kernel, ``dpcompile::add_randn`` (dpcompile.add_randn: four normals per
+Philox call, made in registers and added where each gradient is read; one launch per chunk, every gradient read
+and written once), for chunks and for parameters with a draw of their own alike; a bf16 weight gradient's cast to
+its fp32 parameter's dtype is taken into the op (``_before_cast``). Inductor's ``inductor_random`` makes one
+normal per Philox call and was integer-bound, and a flat draw is written and read again: on a Llama-3.2-1B step
+on one H100, 10.6 ms of noise GPU time against about 3.3 ms to read and write the gradients (BENCHMARKS.md).
+Steps replayed as CUDA graphs add the op's values with a flat ``dpcompile::randn`` draw and a foreach add
+(``_flat_draw_added``): the op's noisy steps failed the CUDA-graph tests on the GPU in the session that wrote it
+(the cause not found before its device time ran out), and launches cost nothing there.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from dpcompile import randn as _randn  # noqa: F401  (defines dpcompile::randn)
+from dpcompile import add_randn as _add_randn  # defines dpcompile::add_randn (and dpcompile::randn)
 from dpcompile.fx_utils import GraphBuilder
 
 from .context import DPPassContext, ParamInfo
@@ -45,8 +49,8 @@ prims = torch.ops.prims
 
 # 128 MiB of fp32 draws: GPT-2-small's embedding alone (it is bigger), its 148 other parameters in 3 draws
 CHUNK_NUMEL = 1 << 25
-# the devices whose chunk draws run dpcompile::randn (the CPU tests add "cpu": its Triton kernel under
-# TRITON_INTERPRET=1, torch's generator otherwise)
+# the devices whose noise is drawn and added by dpcompile::add_randn (the CPU tests add "cpu": its Triton kernel
+# under TRITON_INTERPRET=1, torch's generator otherwise)
 TRITON_DRAW_DEVICES = ("cuda",)
 
 
@@ -64,6 +68,39 @@ def _chunks(group: list[tuple[int, fx.Node, ParamInfo]], chunk_numel: int) -> li
     return chunks
 
 
+def _before_cast(g: fx.Node, ctx: DPPassContext) -> fx.Node:
+    """The gradient before its cast to the parameter's dtype (a bf16 weight gradient of an fp32 parameter under
+    autocast), which dpcompile::add_randn takes in: it reads the bf16 gradient and writes fp32, where the cast
+    would write an fp32 copy for it to read (Llama-3.2-1B bf16 on one H100: 2.5 ms of casts). g itself where it
+    is no such cast or is read by more than the graph's output."""
+    if g.op != "call_function" or len(g.users) != 1 or not isinstance(g.args[0], fx.Node):
+        return g
+    if g.target is prims.convert_element_type.default or (g.target is aten._to_copy.default
+                                                         and set(g.kwargs) <= {"dtype"}):
+        x = g.args[0].meta.get("val")
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device == g.meta["val"].device:
+            ctx.counters["noise_casts_taken_in"] += 1
+            return g.args[0]
+    return g
+
+
+def _flat_draw_added(b: GraphBuilder, grads: list[fx.Node], seeds: fx.Node, index: int, scale: fx.Node) -> fx.Node:
+    """dpcompile::add_randn's values, computed as a flat dpcompile::randn draw whose slices (at the op's first
+    program of each gradient, laid out in the gradient's memory order) a foreach add adds: the same noise, a
+    launch more and the draw written and read once more."""
+    starts, programs = _add_randn.tile_starts([g.meta["val"].numel() for g in grads])
+    z = b.call(torch.ops.dpcompile.randn.default, seeds, index, programs * _add_randn.TILE)
+    zs = []
+    for g, start in zip(grads, starts):
+        gv = g.meta["val"]
+        # the op's output layout: empty_like's (a dense gradient's strides, else contiguous)
+        strides = torch.empty_like(gv).stride()
+        zg = b.call(aten.as_strided.default, z, list(gv.shape), list(strides), start * _add_randn.TILE)
+        zg = b.call(aten.mul.Tensor, zg, scale)
+        zs.append(zg if gv.dtype == torch.float32 else b.call(prims.convert_element_type.default, zg, gv.dtype))
+    return b.call(aten._foreach_add.List, grads, zs)
+
+
 def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """grad += t * k * s * C * N(0, I) for every trainable parameter."""
     chunk_numel = CHUNK_NUMEL
@@ -77,6 +114,7 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     b = GraphBuilder(graph)
     outs = list(out.args[0])
     std = ctx.loss.k * sigma * ctx.config.max_grad_norm
+    graphed = ctx.config.cudagraphs
     with graph.inserting_before(out):
         scale = b.call(aten.mul.Tensor, b.f32(ctx.loss.tangent), std)
         if ctx.noise_gate_input_index is not None:  # 0 inside dpcompile.accumulate(): noise once per logical batch
@@ -87,7 +125,7 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         # partial sums on tp rank 0 only). Replicas' chunks must be laid out alike on every rank: a draw's
         # values at an offset depend on its length (Inductor's vectorised tail), so partial sums, which only
         # rank 0 draws for, never share a chunk with them
-        groups: dict[tuple[torch.device, str], list[tuple[int, fx.Node, ParamInfo]]] = {}
+        groups: dict[tuple[torch.device, str, torch.dtype], list[tuple[int, fx.Node, ParamInfo]]] = {}
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
             if pg.param.tp_grad == "partial" and ctx.tp_rank != 0:
@@ -95,14 +133,12 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
                 # so the sum gets exactly one draw per coordinate
                 ctx.counters["noise_left_to_tp_rank_0"] += 1
                 continue
-            groups.setdefault((outs[i].meta["val"].device, pg.param.tp_grad), []).append((i, outs[i], pg.param))
+            v = outs[i].meta["val"]
+            groups.setdefault((v.device, pg.param.tp_grad, v.dtype), []).append((i, outs[i], pg.param))
             ctx.counters["noise_added"] += 1
 
-        def draw(numel: int, param: ParamInfo, device: torch.device, flat: bool) -> fx.Node:
+        def draw(numel: int, param: ParamInfo) -> fx.Node:
             ctx.counters["noise_draws"] += 1
-            if flat and device.type in TRITON_DRAW_DEVICES:
-                ctx.counters["noise_draws_triton"] += 1
-                return b.call(torch.ops.dpcompile.randn.default, seeds, param.noise_index, numel)
             seed = b.call(prims.inductor_lookup_seed.default, seeds, param.noise_index)
             # it reads only a graph input, so the min-cut would put it in the forward and save its scalar for
             # the backward: one forward node and one saved tensor per parameter, and Inductor's fusion tried
@@ -115,22 +151,36 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             z = b.call(aten.mul.Tensor, b.view(z, gv.shape), scale)
             return z if gv.dtype == torch.float32 else b.call(prims.convert_element_type.default, z, gv.dtype)
 
-        for (device, _), group in groups.items():
+        for (device, _, dtype), group in groups.items():
             for chunk in _chunks(group, chunk_numel):
-                if len(chunk) == 1 and chunk[0][1].meta["val"].numel() >= chunk_numel:
-                    i, g, param = chunk[0]
-                    outs[i] = b.call(aten.add.Tensor, g, scaled(draw(g.meta["val"].numel(), param, device, False), g))
+                grads = [g for _, g, _ in chunk]
+                if device.type in TRITON_DRAW_DEVICES and not graphed:  # draw and add in one kernel
+                    ctx.counters["noise_draws"] += 1
+                    ctx.counters["noise_draws_triton"] += 1
+                    noisy = b.call(torch.ops.dpcompile.add_randn.default, [_before_cast(g, ctx) for g in grads],
+                                   seeds, chunk[0][2].noise_index, scale, dtype)
+                elif device.type in TRITON_DRAW_DEVICES:
+                    # replayed as CUDA graphs (where launches cost nothing): the op's values from a flat draw,
+                    # added by a foreach add, the path the graphs were tested with (see BENCHMARKS.md)
+                    ctx.counters["noise_draws"] += 1
+                    ctx.counters["noise_draws_triton"] += 1
+                    ctx.counters["noise_foreach_adds"] += 1
+                    noisy = _flat_draw_added(b, grads, seeds, chunk[0][2].noise_index, scale)
+                elif len(chunk) == 1 and chunk[0][1].meta["val"].numel() >= chunk_numel:
+                    i, g, param = chunk[0]  # its own draw, which Inductor fuses into the add
+                    outs[i] = b.call(aten.add.Tensor, g, scaled(draw(g.meta["val"].numel(), param), g))
                     continue
-                z = draw(sum(g.meta["val"].numel() for _, g, _ in chunk), chunk[0][2], device, True)
-                zs, offset = [], 0
-                for _, g, _ in chunk:
-                    n = g.meta["val"].numel()
-                    zs.append(scaled(b.call(aten.slice.Tensor, z, 0, offset, offset + n), g))
-                    offset += n
-                noisy = b.call(aten._foreach_add.List, [g for _, g, _ in chunk], zs)
+                else:
+                    z = draw(sum(g.meta["val"].numel() for g in grads), chunk[0][2])
+                    zs, offset = [], 0
+                    for g in grads:
+                        n = g.meta["val"].numel()
+                        zs.append(scaled(b.call(aten.slice.Tensor, z, 0, offset, offset + n), g))
+                        offset += n
+                    noisy = b.call(aten._foreach_add.List, grads, zs)
+                    ctx.counters["noise_foreach_adds"] += 1
                 for j, (i, _, _) in enumerate(chunk):
                     outs[i] = b.call(operator.getitem, noisy, j)
-                ctx.counters["noise_foreach_adds"] += 1
     out.args = (tuple(outs),) + tuple(out.args[1:])
     ctx.summary["noise"] = f"N(0, ({sigma} * {ctx.config.max_grad_norm})^2) * {ctx.loss.k:g} on each coordinate"
     return gm

@@ -52,13 +52,13 @@ def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule
     return backend
 
 
-def run_interpreted(script: str) -> dict:
-    """Runs tests/<script> with TRITON_INTERPRET=1 in a process of its own (the variable must be set before triton
+def run_interpreted(script: str, *args: str) -> dict:
+    """Runs tests/<script> (with args) with TRITON_INTERPRET=1 in a process of its own (the variable must be set before triton
     is imported) with this checkout's dpcompile first on the path; its JSON report."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(here)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    out = subprocess.run([sys.executable, os.path.join(here, script)], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, os.path.join(here, script), *args], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)

@@ -1,6 +1,8 @@
-"""dpcompile::randn's Triton kernel (four normals per Philox call). Run as a script with TRITON_INTERPRET=1 (set
-before triton is imported: tests/test_noise.py starts it in a process of its own) it checks the kernel on CPU
-tensors, alone and as the compiled step's noise; tests/test_gpu.py imports ``draw_statistics`` for CUDA."""
+"""dpcompile's noise kernels (four normals per Philox call): dpcompile::randn's flat draw and dpcompile::add_randn,
+which adds it to gradients. Run as a script with TRITON_INTERPRET=1 (set before triton is imported:
+tests/test_noise.py starts it in a process of its own) it checks the kernels on CPU tensors, the draw alone and as
+the compiled step's noise, or (argument ``add_randn``) the fused add against the flat draw; tests/test_gpu.py
+imports ``draw_statistics`` and ``add_randn_cases`` for CUDA."""
 from __future__ import annotations
 
 import json
@@ -52,7 +54,78 @@ def assert_standard_normal(stats: dict) -> None:
     assert stats["lane_corr_max"] < 5.0 / np.sqrt(n / 4), stats
 
 
+def add_randn_cases(device: str) -> dict:
+    """dpcompile::add_randn on gradients of every layout (contiguous, transposed, a strided slice it must copy,
+    empty, several programs long) and dtype, through the op (one launch per dtype, an address table), the
+    per-tensor launches (CUDA graph capture's path) and the reference (the flat draw sliced at each tensor's first
+    program): the largest differences, per dtype, and the statistics of the noise in fp32."""
+    from dpcompile import add_randn as A
+
+    gen = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    grads = [t(35), t(3, 4096 + 5), t(7, 9).t(), t(5000)[::2], t(0), t(2, 3, 4).permute(2, 0, 1),
+             t(4, 6, dtype=torch.float64), t(10, 50, dtype=torch.bfloat16), t(3 * 4096 + 1)]
+    grads += [t(700 * k + 1) for k in range(20)]  # a deeper search for a program's tensor
+    seeds = torch.tensor([3, 4, 5], dtype=torch.int64, device=device)
+    scale = torch.tensor(0.5, device=device)
+    before = [g.clone() for g in grads]
+    op = torch.ops.dpcompile.add_randn(grads, seeds, 1, scale)
+    outs = [torch.empty_like(g) for g in grads]
+    srcs = [g if g.stride() == o.stride() else o.copy_(g) for g, o in zip(grads, outs)]
+    A.launch(srcs, outs, seeds, 1, scale, per_tensor=True)
+    refs = [torch.empty_like(g) for g in grads]
+    A.reference([g if g.stride() == r.stride() else r.clone().copy_(g) for g, r in zip(grads, refs)], refs, seeds,
+                1, scale)
+    other = torch.ops.dpcompile.add_randn(grads, seeds, 2, scale)
+    # a cast taken in: low-precision gradients read, fp32 written (out_dtype), exact against the reference
+    low = [g.to(torch.bfloat16) for g in grads if g.dtype == torch.float32]
+    cast = torch.ops.dpcompile.add_randn(low, seeds, 1, scale, torch.float32)
+    cast_refs = [torch.empty_like(g, dtype=torch.float32) for g in low]
+    A.reference([g if g.stride() == r.stride() else r.clone().copy_(g) for g, r in zip(low, cast_refs)], cast_refs,
+                seeds, 1, scale)
+
+    def gap(xs, ys):
+        return {str(dt): max([float((x.double() - y.double()).abs().max()) for x, y in zip(xs, ys)
+                              if x.dtype == dt and x.numel()] or [0.0])
+                for dt in (torch.float32, torch.float64, torch.bfloat16)}
+
+    fp32 = [k for k, g in enumerate(grads) if g.dtype == torch.float32]
+    z = torch.cat([((op[k].double() - grads[k].double()) / 0.5).flatten() for k in fp32]).cpu().numpy()
+    z2 = torch.cat([((other[k].double() - grads[k].double()) / 0.5).flatten() for k in fp32]).cpu().numpy()
+    return {
+        "layouts_kept": all(o.stride() == torch.empty_like(g).stride() and o.shape == g.shape for g, o in zip(grads, op)),
+        "inputs_untouched": all(torch.equal(g, b) for g, b in zip(grads, before)),
+        "op_vs_reference": gap(op, refs), "per_tensor_vs_reference": gap(outs, refs),
+        "cast_vs_reference": gap(cast, cast_refs),
+        "cast_layouts_kept": all(c.dtype == torch.float32 and c.stride() == torch.empty_like(g).stride()
+                                 for g, c in zip(low, cast)),
+        "n": int(z.size), "mean": float(z.mean()), "mean_sq": float((z ** 2).mean()),
+        "ks_p": float(scipy.stats.kstest(z, "norm").pvalue), "other_seed_corr": float(np.corrcoef(z, z2)[0, 1]),
+    }
+
+
+def assert_adds_flat_draw(case: dict) -> None:
+    assert case["layouts_kept"] and case["inputs_untouched"] and case["cast_layouts_kept"], case
+    assert case["cast_vs_reference"]["torch.float32"] == 0, case
+    for key in ("op_vs_reference", "per_tensor_vs_reference"):
+        gaps = case[key]
+        # fp32 and fp64 (computed in fp32) exact; bf16 within one rounding of values below 8 (the interpreter
+        # truncates where CUDA rounds to nearest)
+        assert gaps["torch.float32"] == 0 and gaps["torch.float64"] == 0 and gaps["torch.bfloat16"] <= 2 ** -4, case
+    n = case["n"]
+    assert abs(case["mean"]) < 4.5 / np.sqrt(n), case
+    lo, hi = scipy.stats.chi2.ppf([1e-6, 1 - 1e-6], n) / n
+    assert lo < case["mean_sq"] < hi and case["ks_p"] > 1e-4, case
+    assert abs(case["other_seed_corr"]) < 4.5 / np.sqrt(n), case
+
+
 def main() -> None:
+    if sys.argv[1:] == ["add_randn"]:
+        print(json.dumps({"cpu": add_randn_cases("cpu")}))
+        return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import dpcompile.passes.noise as noise_pass
     import test_noise

@@ -112,6 +112,14 @@ def test_cuda_randn_kernel_draws_standard_normals():
     noise_kernel_check.assert_standard_normal(noise_kernel_check.draw_statistics("cuda", 1_000_003))
 
 
+def test_cuda_add_randn_adds_the_flat_draw():
+    """dpcompile::add_randn compiled for the GPU (the noise of every CUDA step): one launch through the address
+    table and the per-tensor launches of a CUDA graph capture, against the flat draw, every layout and dtype."""
+    import noise_kernel_check
+
+    noise_kernel_check.assert_adds_flat_draw(noise_kernel_check.add_randn_cases("cuda"))
+
+
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_cuda_bf16_model_matches_reference(case, schedule):

@@ -146,14 +146,83 @@ def test_the_triton_draw_is_standard_normal_and_so_is_the_steps_noise():
     assert step["ks_p"] > 1e-4 and abs(step["steps_corr"]) < 4.5 / np.sqrt(n), step
 
 
-def test_chunk_draws_through_the_op_keep_the_graph(monkeypatch):
-    """The op's plumbing on CPU (torch's generator behind it there): flat chunk draws on the op, a parameter
-    with a draw of its own on Inductor's fused RNG, the same foreach adds, Gaussian noise of the right scale."""
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_draws_through_the_op_are_gaussian(chunk, monkeypatch):
+    """The op's plumbing on CPU (torch's generator behind it there): every chunk, and every parameter with a draw
+    of its own, drawn and added by dpcompile::add_randn, no foreach add, Gaussian noise of the right scale."""
     monkeypatch.setattr(noise_pass, "TRITON_DRAW_DEVICES", ("cpu",))
-    monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", 8)  # 35 and 21 alone, [7] and [3] as chunks
+    if chunk is not None:
+        monkeypatch.setattr(noise_pass, "CHUNK_NUMEL", chunk)  # 35 and 21 alone, [7] and [3] as chunks
     z, std, backend = _run_steps(seed=5, n_steps=60)
     c = backend.compiled[0].counters
-    assert (c["noise_draws"], c["noise_draws_triton"], c["noise_foreach_adds"]) == (4, 2, 2), c
+    draws = {None: 1, 8: 4}[chunk]
+    assert (c["noise_draws"], c["noise_draws_triton"], c.get("noise_foreach_adds", 0)) == (draws, draws, 0), c
     flat = (z / std).flatten().numpy()
     lo, hi = scipy.stats.chi2.ppf([1e-6, 1 - 1e-6], flat.size) / flat.size
     assert lo < (flat ** 2).mean() < hi and abs(flat.mean()) < 4.5 / np.sqrt(flat.size)
+    assert abs(np.corrcoef((z / std)[:-1].flatten(), (z / std)[1:].flatten())[0, 1]) < 4.5 / np.sqrt(flat.size)
+
+
+def test_add_randn_kernel_adds_the_flat_draw():
+    """dpcompile::add_randn's kernels under the Triton interpreter against the reference (dpcompile::randn's flat
+    draw sliced at each tensor's first program): every layout and dtype, one launch or one per tensor."""
+    import noise_kernel_check
+    from helpers import run_interpreted
+
+    report = run_interpreted("noise_kernel_check.py", "add_randn")
+    for name, case in report.items():
+        noise_kernel_check.assert_adds_flat_draw(case)
+
+
+def _autocast_llama_grads(n_steps, seed, **options):
+    """fp32 parameters, bf16 autocast: the flattened gradients of n_steps steps and the backend."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = M.LlamaLM(vocab=32, d=16)
+    x, y = torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6))
+
+    @dpcompile.private_step(max_grad_norm=0.5, expected_batch_size=4, seed=seed, **options)
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = M.seq_ce(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    out = []
+    for _ in range(n_steps):
+        model.zero_grad(set_to_none=True)
+        step(x, y)
+        out.append(_grads(model))
+    return torch.stack(out).double(), step.dp_backend
+
+
+def test_autocast_gradients_take_the_cast_into_the_op(monkeypatch):
+    """bf16 autocast, fp32 parameters: the op reads each bf16 weight gradient before its cast to fp32 and writes
+    fp32 (counter noise_casts_taken_in); the noise is N(0, (s C k)^2) on every coordinate around the clipped
+    gradient computed without noise."""
+    monkeypatch.setattr(noise_pass, "TRITON_DRAW_DEVICES", ("cpu",))
+    sigma = 0.9
+    clean, _ = _autocast_llama_grads(1, 0, noise_multiplier=0.0)
+    noisy, backend = _autocast_llama_grads(40, 7, noise_multiplier=sigma)
+    (rec,) = [r for r in backend.compiled if r.dp]
+    n_linear = 7 + 1  # the block's q, k, v, o, gate, up, down and the head: bf16 gradients under autocast
+    assert rec.counters["noise_casts_taken_in"] == n_linear and rec.counters["noise_draws_triton"] == 1, rec.counters
+    z = ((noisy - clean) / (sigma * 0.5 / 4)).flatten().numpy()
+    lo, hi = scipy.stats.chi2.ppf([1e-6, 1 - 1e-6], z.size) / z.size
+    assert lo < (z ** 2).mean() < hi and abs(z.mean()) < 4.5 / np.sqrt(z.size), ((z ** 2).mean(), z.mean())
+    assert scipy.stats.kstest(z, "norm").pvalue > 1e-4
+
+
+def test_cuda_graph_steps_add_the_ops_values(monkeypatch):
+    """Steps replayed as CUDA graphs add the noise with a flat draw and a foreach add instead of the op: the same
+    values, so a step gives the same gradients with and without graphs (on CPU, where there are no graphs, the
+    option still picks the path; torch's generator behind both draws)."""
+    monkeypatch.setattr(noise_pass, "TRITON_DRAW_DEVICES", ("cpu",))
+    op, op_backend = _autocast_llama_grads(3, 11, noise_multiplier=1.1)
+    flat, flat_backend = _autocast_llama_grads(3, 11, noise_multiplier=1.1, cudagraphs=True)
+    (a,) = [r for r in op_backend.compiled if r.dp]
+    (b,) = [r for r in flat_backend.compiled if r.dp]
+    assert a.counters.get("noise_foreach_adds", 0) == 0 and b.counters["noise_foreach_adds"] == 1, (a.counters,
+                                                                                                   b.counters)
+    torch.testing.assert_close(flat, op, rtol=1e-6, atol=1e-7)
+    assert (op[1] != op[0]).all()  # fresh noise each step

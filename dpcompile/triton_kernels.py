@@ -136,16 +136,58 @@ def zero_rows_kernel(x_ptr, keep_ptr, keep_stride, row_stride, P, s_p, Q, BLOCK:
             p += 1
 
 
+# 2^-32: a 32-bit word's weight
+_W = 2.3283064365386963e-10
+
+
+@triton.jit
+def radius_uniform(w, e):
+    # The uniform of a Box-Muller radius, sqrt(-2 ln u), from its word w and a refinement word e: (w + 1/2) 2^-32,
+    # and for w < 256 (where that grid is coarse against u) (w + (e + 1/2) 2^-32) 2^-32, a grid of 2^-64 there.
+    # u is never 0, so nothing is clamped: the smallest u, 2^-65, gives a radius of 9.49. Triton's tl.randn and
+    # randn4x clamp u at 1e-7, so every normal they make has |z| <= 5.68 and a radius of exactly 5.68 with
+    # probability 1e-7: a noise bounded at 5.68 sigma, where neighbouring data sets' outputs can be told apart
+    # with probability about Phi(5.68) - Phi(5.68 - 1/noise_multiplier) per step (1.4e-6 at noise multiplier 1,
+    # 1.2e-4 at 0.5), which the Gaussian mechanism's accounting does not count.
+    coarse = (w.to(tl.float32) + 0.5) * _W
+    fine = (w.to(tl.float32) + (e.to(tl.float32) + 0.5) * _W) * _W
+    return tl.where(w < 256, fine, coarse)
+
+
+@triton.jit
+def box_muller(u, w_angle):
+    # two independent normals from the radius's uniform u in (0, 1) and the angle's word
+    r = tl.sqrt(-2.0 * tl.log(u))
+    th = w_angle.to(tl.float32) * (6.283185307179586 * _W)
+    return r * tl.cos(th), r * tl.sin(th)
+
+
+@triton.jit
+def normals4(seed, counter):
+    # Four standard normals from one Philox call (two Box-Muller pairs), like tl.randn4x but with the radii's
+    # uniforms resolved to 2^-64 near 0 (radius_uniform). The refinement words come from a second Philox call at
+    # counter + 2^32 (Philox's second counter word 1: never a counter of a draw, whose counters stay below 2^32),
+    # made only by a program where some radius word is below 256: about one program in 8000.
+    w1, w2, w3, w4 = tl.randint4x(seed, counter)
+    e1 = w1 * 0
+    e3 = w3 * 0
+    if tl.min(tl.minimum(w1, w3), axis=0) < 256:
+        e1, _, e3, _ = tl.randint4x(seed, counter.to(tl.int64) + 4294967296)
+    n1, n2 = box_muller(radius_uniform(w1, e1), w2)
+    n3, n4 = box_muller(radius_uniform(w3, e3), w4)
+    return n1, n2, n3, n4
+
+
 @triton.jit
 def randn_kernel(out_ptr, seeds_ptr, index, n, BLOCK: tl.constexpr):
-    # One Philox call per counter gives four 32-bit words, and randn4x turns them into four normals (both
+    # One Philox call per counter gives four 32-bit words, and normals4 turns them into four normals (both
     # outputs of two Box-Muller pairs); tl.randn, which Inductor's inductor_random runs per element, keeps one
     # of the four. Program p uses counters [p * BLOCK, (p + 1) * BLOCK) and writes outputs
     # [4 p BLOCK, 4 (p + 1) BLOCK): every output comes from its own (counter, word), never shared.
     p = tl.program_id(0)
     seed = tl.load(seeds_ptr + index)
     lane = tl.arange(0, BLOCK)
-    r0, r1, r2, r3 = tl.randn4x(seed, p * BLOCK + lane)
+    r0, r1, r2, r3 = normals4(seed, p * BLOCK + lane)
     base = p.to(tl.int64) * (4 * BLOCK) + lane
     tl.store(out_ptr + base, r0, mask=base < n)
     tl.store(out_ptr + base + BLOCK, r1, mask=base + BLOCK < n)
@@ -158,7 +200,7 @@ def _add_randn_program(src, out, n, local, program, seed, scale, BLOCK: tl.const
     # outputs [4 local BLOCK, 4 (local + 1) BLOCK) of one tensor, from the counters randn_kernel's program
     # `program` uses: the same values as its flat draw at that program's outputs
     lane = tl.arange(0, BLOCK)
-    r0, r1, r2, r3 = tl.randn4x(seed, program * BLOCK + lane)
+    r0, r1, r2, r3 = normals4(seed, program * BLOCK + lane)
     base = local.to(tl.int64) * (4 * BLOCK) + lane
     m = base < n
     tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r0).to(out.dtype.element_ty), mask=m)

@@ -1,8 +1,9 @@
 """dpcompile's noise kernels (four normals per Philox call): dpcompile::randn's flat draw and dpcompile::add_randn,
 which adds it to gradients. Run as a script with TRITON_INTERPRET=1 (set before triton is imported:
 tests/test_noise.py starts it in a process of its own) it checks the kernels on CPU tensors, the draw alone and as
-the compiled step's noise, or (argument ``add_randn``) the fused add against the flat draw; tests/test_gpu.py
-imports ``draw_statistics`` and ``add_randn_cases`` for CUDA."""
+the compiled step's noise, or (argument ``add_randn``) the fused add against the flat draw, or (argument
+``tails``) the normals' transform against a numpy Philox and Box-Muller, where the radius's uniform is refined;
+tests/test_gpu.py imports ``draw_statistics``, ``add_randn_cases`` and ``tail_cases`` for CUDA."""
 from __future__ import annotations
 
 import json
@@ -122,7 +123,100 @@ def assert_adds_flat_draw(case: dict) -> None:
     assert abs(case["other_seed_corr"]) < 4.5 / np.sqrt(n), case
 
 
+_M32 = 0xFFFFFFFF
+
+
+def philox4x32(seed: int, counters: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 (Salmon et al. 2011, as Triton's tl.randint4x keys and counts it: key = the 64-bit seed's
+    low and high words, counter = (offset's low word, high word, 0, 0)) in numpy: four uint32 words per counter."""
+    c0, c1 = counters & _M32, (counters >> 32) & _M32
+    c2 = c3 = np.zeros_like(c0)
+    k0, k1 = np.uint64(seed & _M32), np.uint64((seed >> 32) & _M32)
+    a, b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(10):
+        p0, p2 = a * c0, b * c2  # 32 x 32 -> 64 bits, exact in uint64
+        c0, c1, c2, c3 = (p2 >> 32) ^ c1 ^ k0, p2 & _M32, (p0 >> 32) ^ c3 ^ k1, p0 & _M32
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & _M32, (k1 + np.uint64(0xBB67AE85)) & _M32
+    return c0, c1, c2, c3
+
+
+def reference_normals(seed: int, counters: np.ndarray) -> np.ndarray:
+    """[4, n] float64: what dpcompile's normals4 makes from these counters (triton_kernels.radius_uniform)."""
+    w1, w2, w3, w4 = philox4x32(seed, counters)
+    e1, _, e3, _ = philox4x32(seed, counters + (1 << 32))
+
+    def u(w, e):
+        w, e = w.astype(np.float64), e.astype(np.float64)
+        return np.where(w < 256, (w + (e + 0.5) / 2 ** 32) / 2 ** 32, (w + 0.5) / 2 ** 32)
+
+    out = []
+    for uu, wa in ((u(w1, e1), w2), (u(w3, e3), w4)):
+        r, th = np.sqrt(-2 * np.log(uu)), 2 * np.pi * wa.astype(np.float64) / 2 ** 32
+        out += [r * np.cos(th), r * np.sin(th)]
+    return np.stack(out)
+
+
+def _refined_counters(seed: int, want: int = 2) -> list[int]:
+    """Counters below 2^31 whose first or third word is below 256 (about one in 8 million): where normals4 takes
+    its refinement words."""
+    found, start, step = [], 0, 1 << 22
+    while len(found) < want:
+        c = np.arange(start, start + step, dtype=np.uint64)
+        w1, _, w3, _ = philox4x32(seed, c)
+        found += [int(v) for v in c[(w1 < 256) | (w3 < 256)]]
+        start += step
+    return found[:want]
+
+
+def tail_cases(device: str) -> dict:
+    """normals4 against reference_normals (numpy Philox, float64 Box-Muller) on counters that take the
+    refinement and ordinary ones; tl.randint4x against numpy's Philox; the radius at the extreme words."""
+    from noise_tail_kernels import normals_at, radius_at, words_at
+
+    seed = 0x1234_5678_9ABC_DEF  # positive int64, both words nonzero
+    block = 64
+    refined = _refined_counters(seed)
+    counters = np.array(refined + list(range(1000, 1000 + block - len(refined))), dtype=np.uint64)
+    dev = torch.device(device)
+    seed_t = torch.tensor([seed], dtype=torch.int64, device=dev)
+    ctr_t = torch.tensor(counters.astype(np.int64), dtype=torch.int32, device=dev)
+    out = torch.empty(4 * block, dtype=torch.float32, device=dev)
+    normals_at[(1,)](seed_t, ctr_t, out, BLOCK=block)
+    words = torch.empty(4 * block, dtype=torch.int64, device=dev)
+    words_at[(1,)](seed_t, ctr_t, words, BLOCK=block)
+    ref = reference_normals(seed, counters)
+    got = out.view(4, block).double().cpu().numpy()
+    w = np.array([0, 0, 1, 255, 255, 256, 2 ** 31, 2 ** 32 - 1], dtype=np.int64)
+    e = np.array([0, 2 ** 32 - 1, 0, 2 ** 32 - 1, 0, 0, 0, 2 ** 32 - 1], dtype=np.int64)
+    radius = torch.empty(8, dtype=torch.float32, device=dev)
+    radius_at[(1,)](torch.tensor(w, device=dev), torch.tensor(e, device=dev), radius, BLOCK=8)
+    wf, ef = w.astype(np.float64), e.astype(np.float64)
+    u_ref = np.where(w < 256, (wf + (ef + 0.5) / 2 ** 32) / 2 ** 32, (wf + 0.5) / 2 ** 32)
+    return {
+        "refined_counters": refined,
+        "refined_words_below_256": int(((np.stack(philox4x32(seed, counters[:len(refined)]))[[0, 2]]) < 256).sum()),
+        "words_match_numpy": bool((words.view(4, block).cpu().numpy() == np.stack(philox4x32(seed, counters))
+                                   .astype(np.int64)).all()),
+        "normals_max_abs_err": float(np.abs(got - ref).max()),
+        "refined_normals_max_abs": float(np.abs(ref[:, :len(refined)]).max()),
+        "radius": radius.double().cpu().tolist(),
+        "radius_ref": np.sqrt(-2 * np.log(u_ref)).tolist(),
+    }
+
+
+def assert_tails(case: dict) -> None:
+    assert case["refined_words_below_256"] >= len(case["refined_counters"]) and case["words_match_numpy"], case
+    assert case["normals_max_abs_err"] < 1e-4, case  # fp32 and the GPU's approximate log, sqrt, sin and cos
+    # (a word within 128 of 2^32 makes u round to 1 in fp32: a radius of 0 for about 1.5e-5)
+    np.testing.assert_allclose(case["radius"], case["radius_ref"], rtol=1e-5, atol=1e-4)
+    # the extreme words: the largest radius 9.49 (u = 2^-65, never 0, never clamped), the grid continuous at 256
+    assert 9.4 < max(case["radius"]) < 9.6 and min(case["radius"]) >= 0, case
+
+
 def main() -> None:
+    if sys.argv[1:] == ["tails"]:
+        print(json.dumps({"cpu": tail_cases("cpu")}))
+        return
     if sys.argv[1:] == ["add_randn"]:
         print(json.dumps({"cpu": add_randn_cases("cpu")}))
         return

@@ -120,6 +120,14 @@ def test_cuda_add_randn_adds_the_flat_draw():
     noise_kernel_check.assert_adds_flat_draw(noise_kernel_check.add_randn_cases("cuda"))
 
 
+def test_cuda_normals_reach_the_gaussian_tails():
+    """normals4 compiled for the GPU (its approximate log, sqrt, sin and cos) against numpy's Philox and a float64
+    Box-Muller, the refined radius words included."""
+    import noise_kernel_check
+
+    noise_kernel_check.assert_tails(noise_kernel_check.tail_cases("cuda"))
+
+
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_cuda_bf16_model_matches_reference(case, schedule):

@@ -163,6 +163,16 @@ def test_draws_through_the_op_are_gaussian(chunk, monkeypatch):
     assert abs(np.corrcoef((z / std)[:-1].flatten(), (z / std)[1:].flatten())[0, 1]) < 4.5 / np.sqrt(flat.size)
 
 
+def test_normals_reach_the_gaussian_tails():
+    """The kernels' normals (normals4) against numpy's Philox4x32-10 and a float64 Box-Muller, on counters whose
+    radius word is below 256 (where the uniform takes 32 more bits) and ordinary ones; the radius never clamped:
+    up to 9.49 (Triton's tl.randn stops at 5.68, which a DP guarantee does not allow for)."""
+    import noise_kernel_check
+    from helpers import run_interpreted
+
+    noise_kernel_check.assert_tails(run_interpreted("noise_kernel_check.py", "tails")["cpu"])
+
+
 def test_add_randn_kernel_adds_the_flat_draw():
     """dpcompile::add_randn's kernels under the Triton interpreter against the reference (dpcompile::randn's flat
     draw sliced at each tensor's first program): every layout and dtype, one launch or one per tensor."""

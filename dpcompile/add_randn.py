@@ -15,9 +15,10 @@ The draws are ``dpcompile::randn``'s: tensor k of the call gets the coordinates 
 every tensor has a Philox counter and word of its own; within a tensor, coordinates follow its memory order (its
 strides: a transposed gradient gets the same noise values in a different arrangement, each coordinate still one
 draw). The outputs have the gradients' layout (``empty_like``); a gradient that is not dense is copied into it
-first. Values are the same on every device and every way of running: the Triton kernel (CUDA; CPU tensors under
-``TRITON_INTERPRET=1``) and the reference below, which slices ``dpcompile::randn``'s flat draw (torch's CPU
-generator behind it where there is no Triton: the compiled CPU steps draw with Inductor's RNG instead).
+first. Values are the same on every device and every way of running, up to the last bits of the transform's
+log, sqrt, sin and cos: the Triton kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``) and the reference
+below, which slices ``dpcompile::randn``'s flat draw (computed with torch ops where there is no Triton:
+dpcompile.philox).
 
 CUDA launches: one for all tensors of one pair of dtypes, through a table of their addresses (int64, five entries
 per tensor, staged in pinned memory and copied to the device without waiting for it); while a CUDA graph is

@@ -4,14 +4,15 @@ The noise pass draws each chunk of parameters' noise as one flat fp32 vector. In
 runs ``tl.randn`` per element: a whole Philox call (ten rounds, four 32-bit words) and a Box-Muller transform per
 output, three of the four words unused, so the draws are bound by integer arithmetic, not by writing them: on
 one H100 a Llama-3.2-1B step (1.24 billion coordinates) spent 7.35 ms of GPU time in its noise draws against
-about 1.7 ms to write them (BENCHMARKS.md). This op runs ``tl.randn4x``, which turns every word into a normal.
+about 1.7 ms to write them (BENCHMARKS.md). This op turns every word into a normal
+(``triton_kernels.normals4``).
 
 seeds: the step's int64 seeds on the draws' device, index: this draw's entry (read by the kernel: no host sync,
 and no kernel of its own to look the seed up). Every output comes from its own Philox counter and word, so a draw
 has independent N(0, 1) coordinates, and a coordinate's value depends on the seed and its position only, not on
 ``numel`` (a longer draw starts with the same values). CUDA runs the Triton
-kernel (CPU tensors too under ``TRITON_INTERPRET=1``, through ``launch``); other devices draw with torch's CPU
-generator seeded from the seed (not used by the compiled steps, which draw with Inductor's RNG there).
+kernel (CPU tensors too under ``TRITON_INTERPRET=1``, through ``launch``); other devices compute the same normals
+with torch ops (dpcompile.philox: Philox keyed by all 64 bits of the seed).
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ _LIB.define("randn(Tensor seeds, int index, SymInt numel) -> Tensor", tags=(torc
 def randn(seeds: torch.Tensor, index: int, numel: int) -> torch.Tensor:
     if seeds.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return launch(seeds, index, numel)
-    generator = torch.Generator(device="cpu").manual_seed(int(seeds[index]))
-    return torch.randn(numel, generator=generator, dtype=torch.float32).to(seeds.device)
+    from .philox import flat_normals  # torch ops: the same values, keyed by all 64 bits of the seed
+
+    return flat_normals(int(seeds[index]), numel, BLOCK).to(seeds.device)
 
 
 _LIB.impl("randn", randn, "CompositeExplicitAutograd")

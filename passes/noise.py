@@ -1,33 +1,26 @@
 """Gaussian noise on each clipped gradient, drawn inside the compiled backward.
 
-Noise comes from Inductor's counter-based RNG (Philox: a seed and each
-coordinate's offset), one seed per draw: an entry of the step's seeds input,
-derived on the host from (seed, step, parameter index, rank), so every
-coordinate gets exactly one fresh draw per step and draws never repeat across
-steps, draws or ranks. The noise is
-scaled by the loss tangent t like the rest of the gradient (t = 1 for
-loss.backward(); a gradient scaler's factor otherwise).
+The noise comes from a counter-based RNG (Philox4x32-10: a 64-bit seed and each coordinate's position), one seed
+per draw: an entry of the step's seeds input, derived on the host from (seed, step, parameter index, rank), so
+every coordinate gets exactly one fresh draw per step and draws never repeat across steps, draws or ranks. The
+noise is scaled by the loss tangent t like the rest of the gradient (t = 1 for loss.backward(); a gradient
+scaler's factor otherwise).
 
-Launches: Inductor realizes every ``inductor_random`` as its own kernel, and
-on GPUs it does not fuse a draw into a foreach op that reads it, so one draw
-per parameter is one launch per parameter (149 per step on GPT-2-small,
-measured). Parameters are therefore packed into chunks of at most
-``CHUNK_NUMEL`` coordinates: one flat draw per chunk (keyed by the seed of its
-first parameter; a chunk never mixes tensor-parallel shards, which draw per
-rank, with replicas, which draw the same on every rank; a gradient summed over the tp group gets its draw on
-tp rank 0 only), sliced into the chunk's parameters and added by one
-``_foreach_add`` (Inductor's horizontal kernel). A parameter of at least
-``CHUNK_NUMEL`` coordinates keeps its own draw, fused into its add, so no
-flat draw is larger than a chunk (128 MiB of fp32 by default). A chunk's draw
-lives until its foreach add; how many are alive at once is Inductor's
-scheduling (GPT-2-small bf16 on an H200: peak memory unchanged).
+Parameters are packed into chunks of at most ``CHUNK_NUMEL`` coordinates (a larger parameter alone), and each
+chunk's noise is drawn and added by one ``dpcompile::add_randn`` (dpcompile.add_randn): on CUDA one Triton kernel
+that makes four normals per Philox call in registers and adds them where each gradient is read, every gradient
+read and written once, one launch per chunk; elsewhere the same values from torch ops (dpcompile.philox). A
+chunk's draw is keyed by the seed of its first parameter; a chunk never mixes tensor-parallel shards, which draw
+per rank, with replicas, which draw the same on every rank, and a gradient summed over the tp group gets its draw
+on tp rank 0 only. A bf16 weight gradient's cast to its fp32 parameter's dtype is taken into the op
+(``_before_cast``): it reads bf16 and writes fp32.
 
-On CUDA the draw and the add are one kernel, ``dpcompile::add_randn`` (dpcompile.add_randn: four normals per
-Philox call, made in registers and added where each gradient is read; one launch per chunk, every gradient read
-and written once), for chunks and for parameters with a draw of their own alike; a bf16 weight gradient's cast to
-its fp32 parameter's dtype is taken into the op (``_before_cast``). Inductor's ``inductor_random`` makes one
-normal per Philox call and was integer-bound, and a flat draw is written and read again: on a Llama-3.2-1B step
-on one H100, 10.6 ms of noise GPU time against about 3.3 ms to read and write the gradients (BENCHMARKS.md).
+Before, Inductor drew (``inductor_random``) and a foreach add added: on CUDA one normal per Philox call, integer-
+bound, and the draw written and read again (a Llama-3.2-1B step on one H100: 10.6 ms of noise GPU time against
+about 3.3 ms to read and write the gradients, BENCHMARKS.md); on the CPU a stream keyed by 32 bits of the seed
+(two draws of a long run repeat each other with probability n^2 / 2^33) and normals bounded at 5.8 standard
+deviations, as Triton's ``tl.randn`` bounds them at 5.68 (triton_kernels.radius_uniform).
+
 Steps replayed as CUDA graphs add the op's values with a flat ``dpcompile::randn`` draw and a foreach add
 (``_flat_draw_added``): the op's noisy steps failed the CUDA-graph tests on the GPU in the session that wrote it
 (the cause not found before its device time ran out), and launches cost nothing there.
@@ -49,9 +42,6 @@ prims = torch.ops.prims
 
 # 128 MiB of fp32 draws: GPT-2-small's embedding alone (it is bigger), its 148 other parameters in 3 draws
 CHUNK_NUMEL = 1 << 25
-# the devices whose noise is drawn and added by dpcompile::add_randn (the CPU tests add "cpu": its Triton kernel
-# under TRITON_INTERPRET=1, torch's generator otherwise)
-TRITON_DRAW_DEVICES = ("cuda",)
 
 
 def _chunks(group: list[tuple[int, fx.Node, ParamInfo]], chunk_numel: int) -> list[list[tuple[int, fx.Node, ParamInfo]]]:
@@ -122,9 +112,9 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             scale = b.call(aten.mul.Tensor, scale, gate)
         # a chunk's draw comes from its first parameter's stream: a chunk holds parameters of one device and,
         # under tensor parallelism, one kind (shards draw per rank, replicas the group's shared stream,
-        # partial sums on tp rank 0 only). Replicas' chunks must be laid out alike on every rank: a draw's
-        # values at an offset depend on its length (Inductor's vectorised tail), so partial sums, which only
-        # rank 0 draws for, never share a chunk with them
+        # partial sums on tp rank 0 only). Replicas' chunks must be laid out alike on every rank (a coordinate's
+        # noise is its chunk's seed and its position in the chunk), so partial sums, which only rank 0 draws
+        # for, never share a chunk with them
         groups: dict[tuple[torch.device, str, torch.dtype], list[tuple[int, fx.Node, ParamInfo]]] = {}
         for pg in ctx.decompositions.values():
             i = pg.param.grad_output_index
@@ -137,48 +127,19 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             groups.setdefault((v.device, pg.param.tp_grad, v.dtype), []).append((i, outs[i], pg.param))
             ctx.counters["noise_added"] += 1
 
-        def draw(numel: int, param: ParamInfo) -> fx.Node:
-            ctx.counters["noise_draws"] += 1
-            seed = b.call(prims.inductor_lookup_seed.default, seeds, param.noise_index)
-            # it reads only a graph input, so the min-cut would put it in the forward and save its scalar for
-            # the backward: one forward node and one saved tensor per parameter, and Inductor's fusion tried
-            # every pair of them (they all read the seeds): 23k of a 12-layer GPT forward's 23.5k fusion checks
-            seed.meta["partitioner_tag"] = "must_be_in_backward"
-            return b.call(prims.inductor_random.default, [numel], seed, "randn")
-
-        def scaled(z: fx.Node, g: fx.Node) -> fx.Node:
-            gv = g.meta["val"]
-            z = b.call(aten.mul.Tensor, b.view(z, gv.shape), scale)
-            return z if gv.dtype == torch.float32 else b.call(prims.convert_element_type.default, z, gv.dtype)
-
-        for (device, _, dtype), group in groups.items():
+        for group in groups.values():
             for chunk in _chunks(group, chunk_numel):
                 grads = [g for _, g, _ in chunk]
-                if device.type in TRITON_DRAW_DEVICES and not graphed:  # draw and add in one kernel
-                    ctx.counters["noise_draws"] += 1
-                    ctx.counters["noise_draws_triton"] += 1
-                    noisy = b.call(torch.ops.dpcompile.add_randn.default, [_before_cast(g, ctx) for g in grads],
-                                   seeds, chunk[0][2].noise_index, scale, dtype)
-                elif device.type in TRITON_DRAW_DEVICES:
+                ctx.counters["noise_draws"] += 1
+                if graphed:
                     # replayed as CUDA graphs (where launches cost nothing): the op's values from a flat draw,
-                    # added by a foreach add, the path the graphs were tested with (see BENCHMARKS.md)
-                    ctx.counters["noise_draws"] += 1
-                    ctx.counters["noise_draws_triton"] += 1
+                    # added by a foreach add, the path the graphs were tested with (see the module's docstring)
                     ctx.counters["noise_foreach_adds"] += 1
                     noisy = _flat_draw_added(b, grads, seeds, chunk[0][2].noise_index, scale)
-                elif len(chunk) == 1 and chunk[0][1].meta["val"].numel() >= chunk_numel:
-                    i, g, param = chunk[0]  # its own draw, which Inductor fuses into the add
-                    outs[i] = b.call(aten.add.Tensor, g, scaled(draw(g.meta["val"].numel(), param), g))
-                    continue
-                else:
-                    z = draw(sum(g.meta["val"].numel() for g in grads), chunk[0][2])
-                    zs, offset = [], 0
-                    for g in grads:
-                        n = g.meta["val"].numel()
-                        zs.append(scaled(b.call(aten.slice.Tensor, z, 0, offset, offset + n), g))
-                        offset += n
-                    noisy = b.call(aten._foreach_add.List, grads, zs)
-                    ctx.counters["noise_foreach_adds"] += 1
+                else:  # draw and add in one kernel
+                    dtype = grads[0].meta["val"].dtype
+                    noisy = b.call(torch.ops.dpcompile.add_randn.default, [_before_cast(g, ctx) for g in grads],
+                                   seeds, chunk[0][2].noise_index, scale, dtype)
                 for j, (i, _, _) in enumerate(chunk):
                     outs[i] = b.call(operator.getitem, noisy, j)
     out.args = (tuple(outs),) + tuple(out.args[1:])

@@ -24,6 +24,17 @@ _META_BY_SHAPE = {
 }
 
 
+# the functional collectives' namespaces: the current one, and the legacy one that graphs traced through older
+# DTensor code still hold
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective (its output is another rank's data: a pass must not give it another layout, nor
+    take its buffer for its own)."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in COLLECTIVE_NAMESPACES
+
+
 def known(cond: Any) -> bool:
     """True only when ``cond`` holds for every value of the symbols in it."""
     if isinstance(cond, bool):

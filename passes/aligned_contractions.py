@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 
-from dpcompile.fx_utils import GraphBuilder
+from dpcompile.fx_utils import GraphBuilder, is_collective
 from .context import DPPassContext
 from .inplace_row_masks import ROW_MASK
 
@@ -281,7 +281,7 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Grap
             # a slice across the padded columns (or rows of a bmm) is strided; collectives, graph outputs and
             # kernels that read their input's memory as contiguous (_DENSE_INPUTS) get a contiguous copy
             # (collectives need it, callers expect eager's strides)
-            strict = [u for u in node.users if u.op == "output" or _is_collective(u) or u.target in _DENSE_INPUTS]
+            strict = [u for u in node.users if u.op == "output" or is_collective(u) or u.target in _DENSE_INPUTS]
             dense = padder.b.call(aten.clone.default, out, memory_format=torch.contiguous_format) if strict and (
                 pn or (pm and out.meta["val"].dim() == 3)) else out
         node.replace_all_uses_with(out)
@@ -358,10 +358,6 @@ def _reader_vals(u: fx.Node, subst: dict, fake_mode):
             return None
         vals.update(more)
     return vals
-
-
-def _is_collective(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional"
 
 
 def _padded_contraction(padder: _Padder, node: fx.Node, a: fx.Node, b: fx.Node, extra, out_sizes) -> fx.Node:

@@ -23,12 +23,12 @@ import torch
 import torch.fx as fx
 
 from dpcompile import zero_rows as _zero_rows  # noqa: F401  (defines dpcompile::zero_rows_)
+from dpcompile.fx_utils import COLLECTIVE_NAMESPACES
 
 from .context import DPPassContext
 
 aten = torch.ops.aten
 ROW_MASK = "dpcompile_row_mask"  # meta of a where(keep, x, 0) that may run in place: the masked dim of x
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 # ops whose output may share its input's storage once Inductor has the graph: views it lowers without an alias
 # annotation, and what its post-grad remove_noop_ops replaces by an input where it changes nothing (a clone, a
 # cast to the same dtype, a one-tensor cat, ...), which does not look for later mutations. Argument position of
@@ -69,7 +69,7 @@ def storage_root(x: fx.Node) -> fx.Node | None:
         if target is operator.getitem:  # one output of a multi-output op: a buffer of its own
             src = x.args[0]
             return x if isinstance(src, fx.Node) and storage_root(src) is src else None
-        if not isinstance(target, torch._ops.OpOverload) or target.namespace in _COLLECTIVE_NAMESPACES \
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace in COLLECTIVE_NAMESPACES \
                 or target._schema.is_mutable:
             return None
         name = target.overloadpacket.__name__

@@ -16,6 +16,7 @@ import argparse
 import torch
 
 import dpcompile  # noqa: F401
+from dpcompile import add_randn as A
 from dpcompile import triton_kernels
 
 
@@ -38,13 +39,12 @@ def gpu_ms(fn, reps: int) -> float:
 
 
 def table(srcs, outs, block: int):
-    """dpcompile.add_randn's address table for a tile of 4 * block outputs, and the launch's programs."""
-    tile = 4 * block
+    """dpcompile.add_randn's address table for a program of 4 * block outputs, and the launch's programs."""
     rows, first = [], 0
     for s, o in zip(srcs, outs):
         rows.append((s.data_ptr(), o.data_ptr(), s.numel(), first, first))
-        first += -(-s.numel() // tile)
-    return torch.tensor([v for r in rows for v in r], dtype=torch.int64, device="cuda"), len(rows), first
+        first += -(-s.numel() // (4 * block))
+    return A._table(rows, torch.device("cuda")), len(rows), first
 
 
 def main() -> None:

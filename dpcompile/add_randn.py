@@ -58,9 +58,7 @@ def add_randn(grads: list[torch.Tensor], seeds: torch.Tensor, index: int, scale:
               out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     _check(grads, seeds, index, scale, out_dtype)
     outs = [torch.empty_like(g, dtype=out_dtype) for g in grads]
-    # a gradient in the output's layout: itself (empty_like keeps the strides of a dense tensor only), or a copy
-    # into the output, which then takes the noise in place
-    srcs = [g if g.stride() == o.stride() else o.copy_(g) for g, o in zip(grads, outs)]
+    srcs = sources(grads, outs)
     scale = scale.to(torch.float32)
     if seeds.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         launch(srcs, outs, seeds, index, scale)
@@ -75,6 +73,13 @@ _LIB.impl("add_randn", add_randn, "CompositeExplicitAutograd")
 @torch.library.register_fake("dpcompile::add_randn", lib=_LIB)
 def _(grads, seeds, index, scale, out_dtype=None):
     return [torch.empty_like(g, dtype=out_dtype) for g in grads]
+
+
+def sources(grads: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient in its output's layout, what the kernels and the reference read: the gradient itself
+    (empty_like keeps the strides of a dense tensor only), or a copy into the output, which then takes the noise
+    in place."""
+    return [g if g.stride() == o.stride() else o.copy_(g) for g, o in zip(grads, outs)]
 
 
 def _check(grads, seeds, index, scale, out_dtype) -> None:

@@ -196,23 +196,23 @@ def randn_kernel(out_ptr, seeds_ptr, index, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _add_scaled(src, out, base, n, scale, z):
+    # out[base] = src[base] + scale * z (in fp32, stored in out's dtype) where base < n
+    m = base < n
+    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * z).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _add_randn_program(src, out, n, local, program, seed, scale, BLOCK: tl.constexpr):
     # outputs [4 local BLOCK, 4 (local + 1) BLOCK) of one tensor, from the counters randn_kernel's program
     # `program` uses: the same values as its flat draw at that program's outputs
     lane = tl.arange(0, BLOCK)
     r0, r1, r2, r3 = normals4(seed, program * BLOCK + lane)
     base = local.to(tl.int64) * (4 * BLOCK) + lane
-    m = base < n
-    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r0).to(out.dtype.element_ty), mask=m)
-    base += BLOCK
-    m = base < n
-    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r1).to(out.dtype.element_ty), mask=m)
-    base += BLOCK
-    m = base < n
-    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r2).to(out.dtype.element_ty), mask=m)
-    base += BLOCK
-    m = base < n
-    tl.store(out + base, (tl.load(src + base, mask=m).to(tl.float32) + scale * r3).to(out.dtype.element_ty), mask=m)
+    _add_scaled(src, out, base, n, scale, r0)
+    _add_scaled(src, out, base + BLOCK, n, scale, r1)
+    _add_scaled(src, out, base + 2 * BLOCK, n, scale, r2)
+    _add_scaled(src, out, base + 3 * BLOCK, n, scale, r3)
 
 
 @triton.jit

@@ -75,18 +75,15 @@ def add_randn_cases(device: str) -> dict:
     before = [g.clone() for g in grads]
     op = torch.ops.dpcompile.add_randn(grads, seeds, 1, scale)
     outs = [torch.empty_like(g) for g in grads]
-    srcs = [g if g.stride() == o.stride() else o.copy_(g) for g, o in zip(grads, outs)]
-    A.launch(srcs, outs, seeds, 1, scale, per_tensor=True)
+    A.launch(A.sources(grads, outs), outs, seeds, 1, scale, per_tensor=True)
     refs = [torch.empty_like(g) for g in grads]
-    A.reference([g if g.stride() == r.stride() else r.clone().copy_(g) for g, r in zip(grads, refs)], refs, seeds,
-                1, scale)
+    A.reference(A.sources(grads, refs), refs, seeds, 1, scale)
     other = torch.ops.dpcompile.add_randn(grads, seeds, 2, scale)
     # a cast taken in: low-precision gradients read, fp32 written (out_dtype), exact against the reference
     low = [g.to(torch.bfloat16) for g in grads if g.dtype == torch.float32]
     cast = torch.ops.dpcompile.add_randn(low, seeds, 1, scale, torch.float32)
     cast_refs = [torch.empty_like(g, dtype=torch.float32) for g in low]
-    A.reference([g if g.stride() == r.stride() else r.clone().copy_(g) for g, r in zip(low, cast_refs)], cast_refs,
-                seeds, 1, scale)
+    A.reference(A.sources(low, cast_refs), cast_refs, seeds, 1, scale)
 
     def gap(xs, ys):
         return {str(dt): max([float((x.double() - y.double()).abs().max()) for x, y in zip(xs, ys)

@@ -137,7 +137,7 @@ def zero_rows_kernel(x_ptr, keep_ptr, keep_stride, row_stride, P, s_p, Q, BLOCK:
 
 
 # 2^-32: a 32-bit word's weight
-_W = 2.3283064365386963e-10
+_W = tl.constexpr(2.3283064365386963e-10)
 
 
 @triton.jit

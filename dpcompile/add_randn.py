@@ -22,8 +22,8 @@ dpcompile.philox).
 
 CUDA launches: one for all tensors of one pair of dtypes, through a table of their addresses (int64, five entries
 per tensor, staged in pinned memory and copied to the device without waiting for it); while a CUDA graph is
-captured, where no table can be copied, one launch per tensor with its addresses as arguments. (dpcompile's own
-CUDA-graph steps do not call this op: passes/noise.py adds the same values there with a flat draw.)
+captured, where no table can be copied, one launch per tensor with its addresses as arguments (dpcompile's
+cudagraphs=True steps).
 """
 from __future__ import annotations
 

@@ -21,9 +21,8 @@ about 3.3 ms to read and write the gradients, BENCHMARKS.md); on the CPU a strea
 (two draws of a long run repeat each other with probability n^2 / 2^33) and normals bounded at 5.8 standard
 deviations, as Triton's ``tl.randn`` bounds them at 5.68 (triton_kernels.radius_uniform).
 
-Steps replayed as CUDA graphs add the op's values with a flat ``dpcompile::randn`` draw and a foreach add
-(``_flat_draw_added``): the op's noisy steps failed the CUDA-graph tests on the GPU in the session that wrote it
-(the cause not found before its device time ran out), and launches cost nothing there.
+Steps replayed as CUDA graphs (``cudagraphs=True``) call the same op: it launches once per tensor while a graph
+is captured, with the addresses as arguments, since no address table can be copied then.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from dpcompile import add_randn as _add_randn  # defines dpcompile::add_randn (and dpcompile::randn)
+from dpcompile import add_randn  # noqa: F401  (defines dpcompile::add_randn)
 from dpcompile.fx_utils import GraphBuilder
 
 from .context import DPPassContext, ParamInfo
@@ -74,23 +73,6 @@ def _before_cast(g: fx.Node, ctx: DPPassContext) -> fx.Node:
     return g
 
 
-def _flat_draw_added(b: GraphBuilder, grads: list[fx.Node], seeds: fx.Node, index: int, scale: fx.Node) -> fx.Node:
-    """dpcompile::add_randn's values, computed as a flat dpcompile::randn draw whose slices (at the op's first
-    program of each gradient, laid out in the gradient's memory order) a foreach add adds: the same noise, a
-    launch more and the draw written and read once more."""
-    starts, programs = _add_randn.tile_starts([g.meta["val"].numel() for g in grads])
-    z = b.call(torch.ops.dpcompile.randn.default, seeds, index, programs * _add_randn.TILE)
-    zs = []
-    for g, start in zip(grads, starts):
-        gv = g.meta["val"]
-        # the op's output layout: empty_like's (a dense gradient's strides, else contiguous)
-        strides = torch.empty_like(gv).stride()
-        zg = b.call(aten.as_strided.default, z, list(gv.shape), list(strides), start * _add_randn.TILE)
-        zg = b.call(aten.mul.Tensor, zg, scale)
-        zs.append(zg if gv.dtype == torch.float32 else b.call(prims.convert_element_type.default, zg, gv.dtype))
-    return b.call(aten._foreach_add.List, grads, zs)
-
-
 def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """grad += t * k * s * C * N(0, I) for every trainable parameter."""
     chunk_numel = CHUNK_NUMEL
@@ -104,7 +86,6 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     b = GraphBuilder(graph)
     outs = list(out.args[0])
     std = ctx.loss.k * sigma * ctx.config.max_grad_norm
-    graphed = ctx.config.cudagraphs
     with graph.inserting_before(out):
         scale = b.call(aten.mul.Tensor, b.f32(ctx.loss.tangent), std)
         if ctx.noise_gate_input_index is not None:  # 0 inside dpcompile.accumulate(): noise once per logical batch
@@ -131,15 +112,10 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             for chunk in _chunks(group, chunk_numel):
                 grads = [g for _, g, _ in chunk]
                 ctx.counters["noise_draws"] += 1
-                if graphed:
-                    # replayed as CUDA graphs (where launches cost nothing): the op's values from a flat draw,
-                    # added by a foreach add, the path the graphs were tested with (see the module's docstring)
-                    ctx.counters["noise_foreach_adds"] += 1
-                    noisy = _flat_draw_added(b, grads, seeds, chunk[0][2].noise_index, scale)
-                else:  # draw and add in one kernel
-                    dtype = grads[0].meta["val"].dtype
-                    noisy = b.call(torch.ops.dpcompile.add_randn.default, [_before_cast(g, ctx) for g in grads],
-                                   seeds, chunk[0][2].noise_index, scale, dtype)
+                # drawn and added in one kernel
+                dtype = grads[0].meta["val"].dtype
+                noisy = b.call(torch.ops.dpcompile.add_randn.default, [_before_cast(g, ctx) for g in grads],
+                               seeds, chunk[0][2].noise_index, scale, dtype)
                 for j, (i, _, _) in enumerate(chunk):
                     outs[i] = b.call(operator.getitem, noisy, j)
     out.args = (tuple(outs),) + tuple(out.args[1:])

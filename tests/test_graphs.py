@@ -134,7 +134,6 @@ add_randn []""")
         self.assertEqual(rec.counters["noise_added"], 4)
         # one draw for the four parameters' 66 coordinates, drawn and added by one op: one kernel on GPUs
         self.assertEqual(rec.counters["noise_draws"], 1)
-        self.assertEqual(rec.counters.get("noise_foreach_adds", 0), 0)
         self.assertNotIn("aten._foreach_add.List", [op for op, _ in rec.ops["backward"]])
         self.assertNotIn("aten.add.Tensor", [op for op, _ in rec.ops["backward"]][-8:])
         # no dump asked for: the graph after each pass is not printed (seconds per compile at GPT-2 size)

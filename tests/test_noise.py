@@ -233,16 +233,26 @@ def test_cuda_graph_steps_add_the_ops_values(monkeypatch):
     assert (op[1] != op[0]).all()  # fresh noise each step
 
 
-def test_cpu_draws_use_all_64_bits_of_the_seed():
+@pytest.mark.parametrize("multiply", ["wrapping", "split"])
+@pytest.mark.parametrize("seed", [-0x1234_5678_9ABC_DEF1, 0x123456789ABCDEF])
+def test_cpu_draws_use_all_64_bits_of_the_seed(seed, multiply, monkeypatch):
     """Without Triton the normals come from dpcompile.philox's torch ops: Philox4x32-10 as numpy computes it, keyed
     by the whole seed (torch's CPU generator and Inductor's CPU RNG keep 32 bits of it, so two draws of a long run
-    would repeat each other with probability n^2 / 2^33), and the kernels' Box-Muller (refined radius words)."""
+    would repeat each other with probability n^2 / 2^33), and the kernels' Box-Muller (refined radius words: for
+    the second seed, counters 12717215 and 12981371 take the refinement). Both ways of taking Philox's products
+    (one wrapping int64 multiply, used where this build's multiply wraps, and the split one) give numpy's words."""
     import noise_kernel_check
     from dpcompile import philox
     from dpcompile import randn as R
 
-    seed = -0x1234_5678_9ABC_DEF1
+    if multiply == "wrapping":
+        assert philox._mul_hi_lo() is philox._mul_hi_lo_wrapping  # torch's int64 multiply wraps on this build
+    else:
+        monkeypatch.setattr(philox, "_mul_hi_lo", lambda: philox._mul_hi_lo_split)
     counters = torch.cat([torch.arange(5000), torch.tensor([12717215, 12981371, (1 << 32) + 5])])
+    if seed == 0x123456789ABCDEF:
+        w1, _, w3, _ = philox.philox4x32(seed, counters[5000:5002])
+        assert (torch.minimum(w1, w3) < 256).all(), (w1, w3)
     ours = np.stack([w.numpy() for w in philox.philox4x32(seed, counters)])
     ref = np.stack(noise_kernel_check.philox4x32(seed & (2 ** 64 - 1), counters.numpy().astype(np.uint64)))
     assert (ours == ref.astype(np.int64)).all()

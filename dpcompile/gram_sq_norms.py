@@ -10,8 +10,8 @@ matrices in registers, multiplies them and keeps the sum: nothing of size [B, S,
 read where they lie (any strides), and since both Grams are symmetric only the tiles on and above the diagonal
 are computed (those off it count twice).
 
-Output: [B, parts] fp32 partial sums (one per tile pair, zero below the diagonal), summed by the caller: no
-atomics, so the norms are the same bits every run. CUDA runs the Triton kernel (the operands' dtype into fp32
+Output: [B, parts] fp32 partial sums (one per tile pair, zero below the diagonal, and per piece of the wider
+operand's features, ``SPLIT_K``), summed by the caller: no atomics, so the norms are the same bits every run. CUDA runs the Triton kernel (the operands' dtype into fp32
 accumulation; fp32 operands use TF32 when ``torch.backends.cuda.matmul.allow_tf32`` allows it, as the bmm it
 replaces did); other devices the same sums with aten ops, in blocks of samples. Under ``TRITON_INTERPRET=1`` the
 Triton kernel runs on CPU tensors (``launch``): that is how it is tested without a GPU.
@@ -34,8 +34,19 @@ def block(S: int) -> int:
     return next(t for t in (128, 64, 32, 16) if S >= t or t == 16)
 
 
-def parts(S: int) -> int:
-    return _tile_count(S, block(S)) ** 2
+# Features of the wider operand per program: wider operands are split into pieces of at most this many, each
+# piece's partial sum a part of its own (an LM head's 50257 logits: 7 pieces; no Linear of GPT-2-small's or a
+# ViT's blocks is split). Static in the shapes, not the batch, so that the fake kernel's parts are the launch's.
+SPLIT_K = 8192
+
+
+def splits(p: int, m: int) -> int:
+    return max(1, -(-max(p, m) // SPLIT_K))
+
+
+def parts(S: int, p: int, m: int) -> int:
+    """Output parts per sample: one per tile pair (zero below the diagonal) and piece of the wider operand."""
+    return _tile_count(S, block(S)) ** 2 * splits(p, m)
 
 
 def _tile_count(S: int, bs: int) -> int:
@@ -65,13 +76,13 @@ _LIB.impl("gram_sq_norms", gram_sq_norms, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("dpcompile::gram_sq_norms", lib=_LIB)
 def _(a, g):
-    return a.new_empty([a.shape[0], parts(a.shape[1])], dtype=torch.float32)
+    return a.new_empty([a.shape[0], parts(a.shape[1], a.shape[2], g.shape[2])], dtype=torch.float32)
 
 
 def _aten(a, g):
     """The same sums with aten ops, a block of samples at a time; each sample's total in the first part."""
     B, S = a.shape[0], a.shape[1]
-    out = torch.zeros(B, parts(S), dtype=torch.float32, device=a.device)
+    out = torch.zeros(B, parts(S, a.shape[2], g.shape[2]), dtype=torch.float32, device=a.device)
     if B == 0:
         return out
     acc = torch.promote_types(torch.promote_types(a.dtype, g.dtype), torch.float32)
@@ -95,8 +106,11 @@ def launch(a, g, config: dict | None = None):
         a = a.to(dtype)
     if g.dtype != dtype:
         g = g.to(dtype)
+    if a.shape[2] > g.shape[2]:  # the sum is symmetric in the two; the kernel splits its second operand
+        a, g = g, a
     tf32 = dtype == torch.float32 and a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    key = (a.shape, a.stride(), g.shape, g.stride(), dtype, tf32, tuple(sorted(config.items())) if config else None)
+    key = (a.shape, a.stride(), g.shape, g.stride(), dtype, tf32, SPLIT_K,
+           tuple(sorted(config.items())) if config else None)
     B, n_parts, grid, args, consts = cached_plan(_PLANS, key, lambda: _plan(a, g, dtype, tf32, config))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=a.device)
     if B:
@@ -110,7 +124,11 @@ def _plan(a, g, dtype, tf32, config):
     """(B, parts, grid, the kernel's other positional arguments, its keyword ones) for one call signature."""
     B, S, P = a.shape
     cfg = {**launch_config(block(S)), **(config or {})}
+    M = g.shape[2]
     tiles = _tile_count(S, cfg["BLOCK_S"])
+    n = splits(P, M)
+    piece = -(-M // n)
+    piece = -(-piece // cfg["BLOCK_K"]) * cfg["BLOCK_K"]  # whole K steps (a last piece may be empty: adds 0)
     precision = ("tf32" if tf32 else "ieee") if dtype == torch.float32 else None
-    consts = dict(S=S, P=P, M=g.shape[2], TILES=tiles, PRECISION=precision, **cfg)
-    return B, tiles * tiles, (B * tiles * tiles,), (*a.stride(), *g.stride()), consts
+    consts = dict(S=S, P=P, M=M, TILES=tiles, SPLITS=n, KS=piece, PRECISION=precision, **cfg)
+    return B, tiles * tiles * n, (B * tiles * tiles * n,), (*a.stride(), *g.stride()), consts

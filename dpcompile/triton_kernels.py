@@ -73,13 +73,14 @@ def conv_weight_sq_norms_kernel(
 
 
 @triton.jit
-def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, F: tl.constexpr, BLOCK_S: tl.constexpr,
+def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo, k_hi, BLOCK_S: tl.constexpr,
                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """[BLOCK_S, BLOCK_S] fp32: rows offs_i against rows offs_j of one sample's [S, F] operand at base."""
+    """[BLOCK_S, BLOCK_S] fp32: rows offs_i against rows offs_j of one sample's [S, F] operand at base, over its
+    features [k_lo, k_hi)."""
     acc = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < F
+        mask_k = offs_k < k_hi
         x = tl.load(base + offs_i[:, None] * s_s + offs_k[None, :] * s_f,
                     mask=mask_i[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
         y = tl.load(base + offs_j[None, :] * s_s + offs_k[:, None] * s_f,
@@ -91,12 +92,19 @@ def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, F: tl.constexpr, 
 @triton.jit
 def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg_f,
                          S: tl.constexpr, P: tl.constexpr, M: tl.constexpr, TILES: tl.constexpr,
+                         SPLITS: tl.constexpr, KS: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # One program per (sample, tile pair), a sample's pairs adjacent: they read the same rows, from L2.
+    # One program per (sample, tile pair, piece of G's features), a sample's programs adjacent: they read the same
+    # rows, from L2. <A A^T, G G^T> is linear in G G^T, the sum of its pieces' Grams over features [s KS,
+    # (s + 1) KS): a program computes A's Gram tile whole and G's over its piece, and its partial sum is exact to
+    # add. Where G is wide (an LM head's 50257 logits) that gives the GPU programs enough to fill it (a sample's
+    # three tile pairs at 256 tokens, 96 programs at batch 32, left SMs idle over a 50257-long loop).
     pid = tl.program_id(0)
-    b = pid // (TILES * TILES)
-    i = pid % (TILES * TILES) // TILES
-    j = pid % TILES
+    s = pid % SPLITS
+    pair = pid // SPLITS
+    b = pair // (TILES * TILES)
+    i = pair % (TILES * TILES) // TILES
+    j = pair % TILES
     out = out_ptr + pid
     if j < i:  # the Gram matrices are symmetric: tile (j, i) counts for this one
         tl.store(out, 0.0)
@@ -107,10 +115,15 @@ def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg
         mask_j = offs_j < S
         # the two Gram tiles, [BLOCK_S, BLOCK_S] fp32 each: rows offs_i against rows offs_j of the sample's
         # A [S, P] and G [S, M]
-        ga = _gram_tile(a_ptr + b.to(tl.int64) * sa_b, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, P, BLOCK_S,
+        ga = _gram_tile(a_ptr + b.to(tl.int64) * sa_b, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, 0, P, BLOCK_S,
                         BLOCK_K, PRECISION)
-        gg = _gram_tile(g_ptr + b.to(tl.int64) * sg_b, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, M, BLOCK_S,
-                        BLOCK_K, PRECISION)
+        g_base = g_ptr + b.to(tl.int64) * sg_b
+        if SPLITS == 1:
+            gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, BLOCK_S, BLOCK_K, PRECISION)
+        else:
+            k_lo = s * KS
+            gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, k_lo, tl.minimum(k_lo + KS, M),
+                            BLOCK_S, BLOCK_K, PRECISION)
         total = tl.sum(tl.sum(ga * gg, axis=1), axis=0)
         tl.store(out, tl.where(i == j, total, 2.0 * total))
 

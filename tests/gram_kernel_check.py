@@ -44,7 +44,23 @@ def errors(fn, device: str, dtypes) -> dict[str, float]:
     return worst
 
 
+def split_errors(device: str, dtypes, split_k: int = 32) -> dict[str, float]:
+    """errors() of the kernel with the wider operand split in pieces of split_k features (an LM head's 50257
+    logits are split at the default; here the cases' 33-150 features give 2-5 pieces, a last piece empty where
+    the rounding to whole K steps leaves none, and operands swapped where the first is the wider)."""
+    from dpcompile import gram_sq_norms
+
+    old = gram_sq_norms.SPLIT_K
+    gram_sq_norms.SPLIT_K = split_k
+    try:
+        assert any(gram_sq_norms.splits(p, m) > 1 for _, _, p, m, _ in CASES)
+        return {f"split:{k}": v for k, v in errors(gram_sq_norms.launch, device, dtypes).items()}
+    finally:
+        gram_sq_norms.SPLIT_K = old
+
+
 if __name__ == "__main__":
     from dpcompile import gram_sq_norms
 
-    print(json.dumps(errors(gram_sq_norms.launch, "cpu", [torch.float32, torch.float16])))
+    dtypes = [torch.float32, torch.float16]
+    print(json.dumps({**errors(gram_sq_norms.launch, "cpu", dtypes), **split_errors("cpu", dtypes)}))

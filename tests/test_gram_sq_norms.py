@@ -13,7 +13,7 @@ from helpers import check_against_reference, run_interpreted
 
 def test_triton_kernel_matches_per_sample_gradient_norms_interpreted():
     report = run_interpreted("gram_kernel_check.py")  # bf16: the GPU test
-    assert len(report) == 2 * len(gram_kernel_check.CASES), report
+    assert len(report) == 2 * 2 * len(gram_kernel_check.CASES), report  # whole and split pieces of features
     assert max(report.values()) < 1e-5, report
 
 
@@ -28,15 +28,21 @@ def test_aten_path_in_blocks_of_samples(monkeypatch):
     assert max(worst.values()) < 1e-6, worst
 
 
-def test_tiles_and_parts():
-    # the fake kernel's parts are the launch's: a tile pair each, the ones below the diagonal zero
-    assert gram_sq_norms.parts(197) == 4 and gram_sq_norms.parts(100) == 4
-    assert gram_sq_norms.parts(7) == 1
-    a, g = torch.randn(3, 130, 5), torch.randn(3, 130, 6)
-    fake = torch.library.opcheck(torch.ops.dpcompile.gram_sq_norms.default, (a, g))
-    assert all(v == "SUCCESS" for v in fake.values()), fake
+@pytest.mark.parametrize("p,m,pieces", [(5, 6, 1), (8192, 3072, 1), (50257, 768, 7), (768, 50257, 7)])
+def test_tiles_and_parts(p, m, pieces):
+    # the fake kernel's parts are the launch's: a tile pair each, the ones below the diagonal zero, times the
+    # pieces of the wider operand's features (an LM head's vocabulary, either side)
+    assert gram_sq_norms.parts(197, p, m) == 4 * pieces and gram_sq_norms.parts(100, p, m) == 4 * pieces
+    assert gram_sq_norms.parts(7, p, m) == pieces
+    a, g = torch.randn(2, 130, p), torch.randn(2, 130, m)
+    if pieces == 1:
+        fake = torch.library.opcheck(torch.ops.dpcompile.gram_sq_norms.default, (a, g))
+        assert all(v == "SUCCESS" for v in fake.values()), fake
     out = torch.ops.dpcompile.gram_sq_norms(a, g)
-    assert out.shape == (3, gram_sq_norms.parts(130))
+    assert out.shape == (2, gram_sq_norms.parts(130, p, m))
+    with torch._subclasses.FakeTensorMode():
+        fake_out = torch.ops.dpcompile.gram_sq_norms(torch.empty(2, 130, p), torch.empty(2, 130, m))
+    assert fake_out.shape == out.shape
 
 
 class SeqAndPatches(torch.nn.Module):

@@ -288,4 +288,4 @@ def test_stacked_rows_past_their_budget_get_reductions_of_their_own(monkeypatch)
 def gram_parts(S: int) -> int:
     from dpcompile import gram_sq_norms
 
-    return gram_sq_norms.parts(S)
+    return gram_sq_norms.parts(S, 8, 8)  # narrow layers: their features in one piece

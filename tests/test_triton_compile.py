@@ -110,8 +110,8 @@ def _conv_launches(monkeypatch, dtype):
     return _launches(monkeypatch, lambda: conv_sq_norms.launch(e, x, (8, 2, 3, 3), (2, 2), (1, 1), (1, 1), 2, 1))
 
 
-def _gram_launches(monkeypatch, dtype):
-    a, g = torch.zeros(2, 40, 24, dtype=dtype), torch.zeros(2, 40, 16, dtype=dtype)
+def _gram_launches(monkeypatch, dtype, wide=16):
+    a, g = torch.zeros(2, 40, 24, dtype=dtype), torch.zeros(2, 40, wide, dtype=dtype)
     return _launches(monkeypatch, lambda: gram_sq_norms.launch(a, g))
 
 
@@ -123,6 +123,7 @@ CASES = {
     "conv_bf16": lambda mp: _conv_launches(mp, torch.bfloat16),
     "gram_fp32": lambda mp: _gram_launches(mp, torch.float32),
     "gram_bf16": lambda mp: _gram_launches(mp, torch.bfloat16),
+    "gram_split_bf16": lambda mp: _gram_launches(mp, torch.bfloat16, wide=3 * gram_sq_norms.SPLIT_K - 5),
     "zero_rows": lambda mp: _launches(mp, lambda: zero_rows.launch(torch.zeros(4, 3, 6), torch.tensor(
         [True, False, True]), 1)),
 }

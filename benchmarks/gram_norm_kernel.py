@@ -6,6 +6,8 @@ ms per layer, for tile configurations given on the command line.
 
     python benchmarks/gram_norm_kernel.py [--dtypes bf16,fp32]
         [--configs "64,64,4,3;32,64,4,3"]   (BLOCK_S,BLOCK_K,num_warps,num_stages; default: the kernel's choice)
+        [--split-k 1000000,4096,16384]     (the default tiles with other pieces of the wider operand's features,
+                                             gram_sq_norms.SPLIT_K; 1000000: no split)
 """
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ LAYERS = [
     ("gpt2 fc 768->3072", 32, 256, 768, 3072),
     ("gpt2 proj 3072->768", 32, 256, 3072, 768),
     ("gpt2 lm_head 768->50257", 32, 256, 768, 50257),
+    # two samples of 1024 tokens: 72 programs a layer without pieces of features (36 tile pairs a sample)
+    ("llama qkv 2048->3072 (2x1024)", 2, 1024, 2048, 3072),
+    ("llama o 2048->2048", 2, 1024, 2048, 2048),
+    ("llama gate 2048->8192", 2, 1024, 2048, 8192),
+    ("llama down 8192->2048", 2, 1024, 8192, 2048),
+    ("llama lm_head 2048->128256", 2, 1024, 2048, 128256),
 ]
 
 
@@ -70,6 +78,7 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--configs", default="")
     ap.add_argument("--layers", default="", help="substring filter on the layer names")
+    ap.add_argument("--split-k", default="", help="comma-separated SPLIT_K values to time beside the default")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     tiny = torch.randn(2, 8, 16, device="cuda", dtype=torch.bfloat16)
@@ -86,8 +95,10 @@ def main():
     configs = [None] + [dict(zip(("BLOCK_S", "BLOCK_K", "num_warps", "num_stages"), map(int, c.split(","))))
                         for c in args.configs.split(";") if c]
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    split_ks = [int(v) for v in args.split_k.split(",") if v]
     head = ["layer", "dtype", "weight grad mm", "grams (compiled)", "padded grams (compiled)"] + \
-        ["kernel " + ("default" if c is None else ",".join(map(str, c.values()))) for c in configs]
+        ["kernel " + ("default" if c is None else ",".join(map(str, c.values()))) for c in configs] + \
+        [f"kernel split_k={v}" for v in split_ks]
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
     sums = {}
@@ -111,6 +122,13 @@ def main():
                 err = float(((got - ref).abs() / ref).max())
                 assert err < 1e-2, (name, cfg, err)
                 row.append(gpu_ms(lambda: gram_sq_norms.launch(a, g, cfg)))
+            default_split = gram_sq_norms.SPLIT_K
+            for v in split_ks:
+                gram_sq_norms.SPLIT_K = v
+                got = gram_sq_norms.launch(a, g).sum(1).double()
+                assert float(((got - ref).abs() / ref).max()) < 1e-2, (name, v)
+                row.append(gpu_ms(lambda: gram_sq_norms.launch(a, g)))
+            gram_sq_norms.SPLIT_K = default_split
             for i, v in enumerate(row):
                 sums[(dname, i)] = sums.get((dname, i), 0.0) + v
             print(f"| {name} | {dname} | " + " | ".join(f"{v:.3f}" for v in row) + " |", flush=True)

@@ -4,7 +4,11 @@ dpcompile::add_randn's kernel over a range of tiles (counters per program) and w
 and one write of every gradient: a foreach multiply by 1) and the path it replaced (a flat dpcompile::randn draw
 added by a foreach add).
 
-    python3 benchmarks/noise_kernel.py [--configs 1024x4,1024x8,512x4,...] [--reps 20]
+    python3 benchmarks/noise_kernel.py [--configs 1024x4,1024x8,512x4,1024x8a,...] [--reps 20]
+
+A config ending in "a" runs the Box-Muller transform through the special-function unit
+(triton_kernels.box_muller_approx: lg2.approx, sin.approx, cos.approx) instead of libdevice's logf, sinf and
+cosf, which dpcompile uses; the line then also gives its largest difference from the exact kernel's values.
 
 Sources are bf16 (autocast gradients, cast to fp32 in the kernel) or fp32. A tile other than dpcompile's
 BLOCK lays the counters out differently (other values, the same distribution): this only times them.
@@ -73,14 +77,22 @@ def main() -> None:
             each = gpu_ms(lambda: A.launch(srcs, outs, seeds, 0, scale, per_tensor=True), args.reps)
             line.append(f"op {op:.3f} ms, per tensor {each:.3f} ms")
             for cfg in args.configs.split(","):
-                block, warps = (int(v) for v in cfg.split("x"))
+                approx = cfg.endswith("a")
+                block, warps = (int(v) for v in cfg.rstrip("a").split("x"))
                 tab, tensors, programs = table(srcs, outs, block)
 
-                def run():
+                def run(approx=approx):
                     triton_kernels.add_randn_kernel[(programs,)](tab, tensors, srcs[0], outs[0], seeds, 0, scale,
-                                                                 BLOCK=block, num_warps=warps)
+                                                                 BLOCK=block, APPROX=approx, num_warps=warps)
                 ms = gpu_ms(run, args.reps)
-                line.append(f"{cfg} {ms:.3f} ms ({floor_bytes / ms / 1e6:.0f} GB/s)")
+                diff = ""
+                if approx:  # both transforms once from the same sources, in fp32 units of the noise's std
+                    run(False)
+                    exact = [o.clone() for o in outs]
+                    run(True)
+                    worst = max(float((o - e).abs().max()) for o, e in zip(outs, exact)) / float(scale)
+                    diff = f", max |diff| {worst:.2e} std"
+                line.append(f"{cfg} {ms:.3f} ms ({floor_bytes / ms / 1e6:.0f} GB/s{diff})")
             print("; ".join(line), flush=True)
 
 

@@ -176,7 +176,23 @@ def box_muller(u, w_angle):
 
 
 @triton.jit
-def normals4(seed, counter):
+def _mufu(x, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def box_muller_approx(u, w_angle):
+    # box_muller through the GPU's special-function unit (lg2.approx, sin.approx, cos.approx: a few instructions
+    # each where libdevice's logf, sinf and cosf take tens), for benchmarks/noise_kernel.py to time against it.
+    # Not used by dpcompile's draws: its values differ from the exact transform's in the last ~20 bits.
+    # cos and sin of th - pi in [-pi, pi) (where sin.approx and cos.approx are accurate), negated: th's values.
+    r = tl.sqrt(-1.3862943611198906 * _mufu(u, "lg2.approx.f32 $0, $1;"))  # -2 ln u = -2 ln 2 lg2 u
+    th = w_angle.to(tl.float32) * (6.283185307179586 * _W) - 3.141592653589793
+    return -r * _mufu(th, "cos.approx.f32 $0, $1;"), -r * _mufu(th, "sin.approx.f32 $0, $1;")
+
+
+@triton.jit
+def normals4(seed, counter, APPROX: tl.constexpr):
     # Four standard normals from one Philox call (two Box-Muller pairs), like tl.randn4x but with the radii's
     # uniforms resolved to 2^-64 near 0 (radius_uniform). The refinement words come from a second Philox call at
     # counter + 2^32 (Philox's second counter word 1: never a counter of a draw, whose counters stay below 2^32),
@@ -186,8 +202,12 @@ def normals4(seed, counter):
     e3 = w3 * 0
     if tl.min(tl.minimum(w1, w3), axis=0) < 256:
         e1, _, e3, _ = tl.randint4x(seed, counter.to(tl.int64) + 4294967296)
-    n1, n2 = box_muller(radius_uniform(w1, e1), w2)
-    n3, n4 = box_muller(radius_uniform(w3, e3), w4)
+    if APPROX:  # benchmarks only (box_muller_approx)
+        n1, n2 = box_muller_approx(radius_uniform(w1, e1), w2)
+        n3, n4 = box_muller_approx(radius_uniform(w3, e3), w4)
+    else:
+        n1, n2 = box_muller(radius_uniform(w1, e1), w2)
+        n3, n4 = box_muller(radius_uniform(w3, e3), w4)
     return n1, n2, n3, n4
 
 
@@ -200,7 +220,7 @@ def randn_kernel(out_ptr, seeds_ptr, index, n, BLOCK: tl.constexpr):
     p = tl.program_id(0)
     seed = tl.load(seeds_ptr + index)
     lane = tl.arange(0, BLOCK)
-    r0, r1, r2, r3 = normals4(seed, p * BLOCK + lane)
+    r0, r1, r2, r3 = normals4(seed, p * BLOCK + lane, False)
     base = p.to(tl.int64) * (4 * BLOCK) + lane
     tl.store(out_ptr + base, r0, mask=base < n)
     tl.store(out_ptr + base + BLOCK, r1, mask=base + BLOCK < n)
@@ -216,11 +236,11 @@ def _add_scaled(src, out, base, n, scale, z):
 
 
 @triton.jit
-def _add_randn_program(src, out, n, local, program, seed, scale, BLOCK: tl.constexpr):
+def _add_randn_program(src, out, n, local, program, seed, scale, BLOCK: tl.constexpr, APPROX: tl.constexpr):
     # outputs [4 local BLOCK, 4 (local + 1) BLOCK) of one tensor, from the counters randn_kernel's program
     # `program` uses: the same values as its flat draw at that program's outputs
     lane = tl.arange(0, BLOCK)
-    r0, r1, r2, r3 = normals4(seed, program * BLOCK + lane)
+    r0, r1, r2, r3 = normals4(seed, program * BLOCK + lane, APPROX)
     base = local.to(tl.int64) * (4 * BLOCK) + lane
     _add_scaled(src, out, base, n, scale, r0)
     _add_scaled(src, out, base + BLOCK, n, scale, r1)
@@ -229,7 +249,8 @@ def _add_randn_program(src, out, n, local, program, seed, scale, BLOCK: tl.const
 
 
 @triton.jit
-def add_randn_kernel(table_ptr, tensors, src_ref, out_ref, seeds_ptr, index, scale_ptr, BLOCK: tl.constexpr):
+def add_randn_kernel(table_ptr, tensors, src_ref, out_ref, seeds_ptr, index, scale_ptr, BLOCK: tl.constexpr,
+                     APPROX: tl.constexpr = False):
     # One program per 4 BLOCK outputs of one tensor, all tensors of one source and one output dtype (src_ref's
     # and out_ref's) in one launch. The table (dpcompile.add_randn._table) holds per tensor its source and output
     # addresses, numel, first program in this launch and first program in the flat draw; a program finds its
@@ -249,7 +270,7 @@ def add_randn_kernel(table_ptr, tensors, src_ref, out_ref, seeds_ptr, index, sca
     out = tl.load(row + 1).to(tl.pointer_type(out_ref.dtype.element_ty))
     local = p - tl.load(row + 3)
     _add_randn_program(src, out, tl.load(row + 2), local, tl.load(row + 4) + local, tl.load(seeds_ptr + index),
-                       tl.load(scale_ptr), BLOCK)
+                       tl.load(scale_ptr), BLOCK, APPROX)
 
 
 @triton.jit(do_not_specialize=["n", "start"])
@@ -257,4 +278,4 @@ def add_randn_one_kernel(src, out, n, start, seeds_ptr, index, scale_ptr, BLOCK:
     # One tensor (while a CUDA graph is captured: no address table): program p is the draw's program start + p.
     # n and start unspecialised: one compiled kernel per pair of dtypes, not one per tensor size.
     p = tl.program_id(0)
-    _add_randn_program(src, out, n, p, start + p, tl.load(seeds_ptr + index), tl.load(scale_ptr), BLOCK)
+    _add_randn_program(src, out, n, p, start + p, tl.load(seeds_ptr + index), tl.load(scale_ptr), BLOCK, False)

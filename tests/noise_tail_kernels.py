@@ -10,7 +10,7 @@ from dpcompile import triton_kernels as K
 @triton.jit
 def normals_at(seed_ptr, counters_ptr, out_ptr, BLOCK: tl.constexpr):
     lane = tl.arange(0, BLOCK)
-    n1, n2, n3, n4 = K.normals4(tl.load(seed_ptr), tl.load(counters_ptr + lane))
+    n1, n2, n3, n4 = K.normals4(tl.load(seed_ptr), tl.load(counters_ptr + lane), False)
     tl.store(out_ptr + lane, n1)
     tl.store(out_ptr + BLOCK + lane, n2)
     tl.store(out_ptr + 2 * BLOCK + lane, n3)

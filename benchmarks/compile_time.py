@@ -15,6 +15,10 @@ then measures a second process start on it (the restart of a job).
 
     python benchmarks/compile_time.py                       # GPU: gpt:32x256; CPU: gpt:2x32
     python benchmarks/compile_time.py --shape llama:2x1024 --modes nonprivate,bk --cache warm --out ct.json
+    python benchmarks/compile_time.py --inductor max_fusion_buffer_group_pairwise_attempts=16   # an Inductor setting
+
+``--inductor KEY=VALUE`` (repeatable) sets ``torch._inductor.config.KEY`` in every run (VALUE read as a Python
+literal), for both modes alike. Each row also gives the kernels Inductor generated (``metrics.generated_kernel_count``).
 """
 from __future__ import annotations
 
@@ -31,7 +35,17 @@ import anchors
 
 
 def child(mode: str, shape: str) -> dict:
+    import ast
+
     import torch
+    import torch._inductor.config as inductor_config
+    from torch._inductor import metrics
+
+    for setting in filter(None, os.environ.get("DPC_CT_INDUCTOR", "").split(";")):
+        key, value = setting.split("=", 1)
+        if not hasattr(inductor_config, key):
+            raise SystemExit(f"--inductor: torch._inductor.config has no setting {key!r}")
+        setattr(inductor_config, key, ast.literal_eval(value))
 
     model_name, B, T = anchors.parse_shape(shape)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,6 +76,7 @@ def child(mode: str, shape: str) -> dict:
     from torch._dynamo.utils import counters
 
     return {"mode": mode, "first_call_s": first, "step_ms": statistics.median(steps) * 1e3,
+            "kernels": metrics.generated_kernel_count,
             "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
                                    if k.startswith("autograd_cache")},
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
@@ -88,8 +103,14 @@ def main() -> None:
     p.add_argument("--cache", choices=("cold", "warm"), default="cold")
     p.add_argument("--shape", help="MODEL:BxT as in anchors.py (default gpt:32x256 on a GPU, gpt:2x32 on CPU)")
     p.add_argument("--out")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="a torch._inductor.config setting for every run (repeatable)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.inductor:
+        if any("=" not in x or ";" in x for x in a.inductor):
+            raise SystemExit("--inductor takes KEY=VALUE (no ';')")
+        os.environ["DPC_CT_INDUCTOR"] = ";".join(a.inductor)
     if a.child:
         print(json.dumps(child(a.child, a.shape)))
         return
@@ -114,8 +135,9 @@ def main() -> None:
             row["repeat"] = r
             rows.append(row)
             print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms   "
-                  f"AOTAutograd cache {row['aot_autograd_cache']}", flush=True)
-    print(f"\n{a.cache} caches, {shape}, {rows[0]['device']}, torch {rows[0]['torch']}")
+                  f"kernels {row['kernels']}   AOTAutograd cache {row['aot_autograd_cache']}", flush=True)
+    print(f"\n{a.cache} caches, {shape}, {rows[0]['device']}, torch {rows[0]['torch']}"
+          + (f", inductor {'; '.join(a.inductor)}" if a.inductor else ""))
     base = statistics.mean(r["first_call_s"] for r in rows if r["mode"] == "nonprivate") if "nonprivate" in modes else None
     for m in modes:
         firsts = [r["first_call_s"] for r in rows if r["mode"] == m]
@@ -123,7 +145,8 @@ def main() -> None:
         print(f"{m:12s} first call {', '.join(f'{x:.1f}' for x in firsts)} s  {ratio}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"command": sys.argv, "cache": a.cache, "shape": shape, "rows": rows}, f, indent=1)
+            json.dump({"command": sys.argv, "cache": a.cache, "shape": shape, "inductor": a.inductor, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

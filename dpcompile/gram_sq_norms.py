@@ -11,10 +11,11 @@ read where they lie (any strides), and since both Grams are symmetric only the t
 are computed (those off it count twice).
 
 Output: [B, parts] fp32 partial sums (one per tile pair, zero below the diagonal, and per piece of the wider
-operand's features, ``SPLIT_K``), summed by the caller: no atomics, so the norms are the same bits every run. CUDA runs the Triton kernel (the operands' dtype into fp32
-accumulation; fp32 operands use TF32 when ``torch.backends.cuda.matmul.allow_tf32`` allows it, as the bmm it
-replaces did); other devices the same sums with aten ops, in blocks of samples. Under ``TRITON_INTERPRET=1`` the
-Triton kernel runs on CPU tensors (``launch``): that is how it is tested without a GPU.
+operand's features, ``SPLIT_K``), summed by the caller: no atomics, so the norms are the same bits every run.
+CUDA runs the Triton kernel (the operands' dtype into fp32 accumulation; fp32 operands use TF32 when
+``torch.backends.cuda.matmul.allow_tf32`` allows it, as the bmm it replaces did); other devices the same sums with
+aten ops, in blocks of samples. Under ``TRITON_INTERPRET=1`` the Triton kernel runs on CPU tensors (``launch``):
+that is how it is tested without a GPU.
 """
 from __future__ import annotations
 

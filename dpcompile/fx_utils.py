@@ -155,7 +155,7 @@ class GraphBuilder:
     def sym_node(self, s: torch.SymInt) -> Any:
         """A graph node computing the symbolic size ``s`` (an int if it is one)."""
         import sympy
-        from torch.utils._sympy.functions import FloorDiv
+        from torch.utils._sympy.functions import FloorDiv, Max, Min
 
         syms = self._symbol_nodes()
         shape_env = s.node.shape_env
@@ -171,6 +171,9 @@ class GraphBuilder:
                 op = operator.add
             elif isinstance(e, FloorDiv):
                 op = operator.floordiv
+            elif isinstance(e, (Max, Min, sympy.Max, sympy.Min)):
+                # a contiguous stride over a dim that may be empty: Max(1, u0) with an unbacked batch size
+                op = torch.sym_max if isinstance(e, (Max, sympy.Max)) else torch.sym_min
             else:
                 raise NotImplementedError(f"dpcompile cannot rebuild the symbolic size {e}")
             parts = [build(a) for a in e.args]

@@ -29,6 +29,7 @@ from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
 from .second_backward_recompute import second_backward_recompute_pass
 from .tensor_parallel import tensor_parallel_check_pass
+from .unit_batch_matmuls import unit_batch_matmuls_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Pass:
 
 PASSES: tuple[Pass, ...] = (
     Pass("conv_backward_split", conv_backward_split_pass),
+    # before the analysis: einsum's bmm over a batch of one as an mm, whose weight gradient the rules know
+    Pass("unit_batch_matmuls", unit_batch_matmuls_pass, optional=True),
     Pass("batch_dim_analysis", batch_dim_analysis_pass),
     Pass("empty_batch", empty_batch_pass),
     Pass("loss_reduction", loss_reduction_pass),

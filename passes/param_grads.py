@@ -42,6 +42,14 @@ SUMS_AND_BROADCASTS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, at
 MATRIX_PRODUCTS = {aten.mm.default, aten.bmm.default}
 
 
+def _uncloned(x: fx.Node) -> fx.Node:
+    """x behind its copies: a piece of a gradient that is not contiguous (an einsum's weight gradient, a
+    permute of a matmul's output) is cloned contiguous before the glue."""
+    while x.target is aten.clone.default:
+        x = x.args[0]
+    return x
+
+
 def unglue(x: fx.Node) -> fx.Node:
     """The full local gradient G behind DTensor's uneven-shard glue, else x.
 
@@ -57,6 +65,7 @@ def unglue(x: fx.Node) -> fx.Node:
         return x
     split, pieces, past_last = None, 0, False
     for piece in x.args[0]:
+        piece = _uncloned(piece)
         if piece.target is aten.constant_pad_nd.default:
             pad = list(piece.args[1])
             value = piece.args[2] if len(piece.args) > 2 else 0
@@ -64,7 +73,7 @@ def unglue(x: fx.Node) -> fx.Node:
             # only the end of dim 0 may be padded, with zeros
             if value != 0 or len(pad) != 2 * nd or any(pad[: 2 * nd - 1]) or pad[-1] < 0:
                 return x
-            piece = piece.args[0]
+            piece = _uncloned(piece.args[0])
         if known(piece.meta["val"].shape[0] == 0):  # empty: zeros once padded; only after every real piece
             past_last = True
             continue

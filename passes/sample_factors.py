@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.fx_utils import GraphBuilder
+from dpcompile.fx_utils import GraphBuilder, known
 
 from .batch_state import Batched
 
@@ -24,6 +24,12 @@ def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[i
     feats = [newpos(f) for f in feature_dims]
     rows = [k for k in range(len(split)) if k != d + 1 and k not in feats]
     xs = b.permute(xs, [d + 1] + rows + feats)
+    if not known(lay.outer == 1):
+        # samples inside the rows (a sequence-first [T, B, d] activation): copied sample-major, as an eager
+        # reshape would. Inductor otherwise keeps the reshape a view when it only drops size-one dims, and
+        # its batched-matmul lowering, handed an operand whose sample stride is 1 and whose other strides
+        # are multiples of an unbacked batch size (a sharded step's), failed on a guard of that size
+        xs = b.call(aten.clone.default, xs, memory_format=torch.contiguous_format)
     S = 1
     for k in rows:
         S = S * split[k]

@@ -82,6 +82,8 @@ SMALL_LAYER_CASES = {
     "linear_4d": Case(lambda: M.SeqLinear(), lambda B: ((torch.randn(B, 2, 3, 6),), (torch.randn(B, 2, 3, 3),)),
                       M.mse),
     "conv1d_addmm": Case(lambda: M.Conv1DNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
+    "einsum_weights": Case(lambda: M.EinsumNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)),
+                           M.mse),
     "norms": Case(lambda: M.NormNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
     # weight_norm, weight standardisation, a table through another parameter's matrix, baddbmm scores
     "reparametrised": Case(lambda: M.ReparametrisedNet(),
@@ -237,6 +239,8 @@ def check_case_invariants(name, counters, summary):
     if counters.get("bk_deferred_contractions") and name.startswith(("gpt", "llama", "hf_")):
         # bk masks the wider operand of a block's projections, an output gradient the backward makes: in place
         assert counters.get("row_masks_in_place", 0) >= 1, counters
+    if name in ("einsum_weights", "layer_kinds"):  # both einsums and the weight gradients' bmms, as mms
+        assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name in ("gpt_tied", "hf_gpt2"):
         assert counters["params_shared"] == 1  # the norm of the per-sample sum of both uses, not two norms
     if name in ("gpt_frozen", "gpt_lora"):

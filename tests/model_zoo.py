@@ -102,6 +102,16 @@ def hf(config: str, model: str, task: str, **kw):
     return make, lambda: ((torch.randn(B, 3, 16, 16),), (labels(),)), class_ce
 
 
+def _frozen(model: torch.nn.Module, *names: str) -> torch.nn.Module:
+    """model with the named parameters frozen: ones its forward does not use here (XLNet's mask_emb serves
+    permutation-LM targets, its segment biases token types), which would get no gradient (dpcompile leaves an
+    unused parameter so: no gradient, no noise) where the check wants one."""
+    params = dict(model.named_parameters())
+    for n in names:
+        params[n].requires_grad_(False)
+    return model
+
+
 def timm_model(name: str, size: int = 32, **kw):
     def make():
         import timm
@@ -188,6 +198,20 @@ MODELS = {
                decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
                decoder_ffn_dim=24, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
                activation_dropout=0.0, decoder_start_token_id=2),
+    "gpt_neox": hf("GPTNeoXConfig", "GPTNeoXForCausalLM", "lm", **BLOCK, max_position_embeddings=16, rotary_pct=0.5,
+                   hidden_dropout=0.0, attention_dropout=0.0),
+    "qwen3": hf("Qwen3Config", "Qwen3ForCausalLM", "lm", **BLOCK, num_key_value_heads=1, head_dim=8,
+                max_position_embeddings=16),  # RMSNorm on q and k per head
+    "gemma2": hf("Gemma2Config", "Gemma2ForCausalLM", "lm", **BLOCK, num_key_value_heads=1, head_dim=8,
+                 max_position_embeddings=16, sliding_window=4),  # logit soft-capping, sliding-window layers
+    "starcoder2": hf("Starcoder2Config", "Starcoder2ForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
+                     max_position_embeddings=16, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0),
+    # sequence-first inside, its projections as einsums with weights (bmm over a batch of one)
+    "xlnet": (lambda: _frozen(hf("XLNetConfig", "XLNetForSequenceClassification", "cls", d_model=16, n_layer=1,
+                                 n_head=2, d_inner=24, dropout=0.0, summary_last_dropout=0.0)[0](),
+                          "model.transformer.mask_emb", "model.transformer.layer.0.rel_attn.r_s_bias",
+                          "model.transformer.layer.0.rel_attn.seg_embed"),
+              lambda: ((tokens(),), (labels(),)), class_ce),
     "hf_vit": hf("ViTConfig", "ViTForImageClassification", "image", image_size=16, patch_size=4, **BLOCK,
                  **NO_DROP),
     "hf_convnext": hf("ConvNextConfig", "ConvNextForImageClassification", "image", image_size=16,

@@ -30,6 +30,22 @@ class SeqLinear(nn.Module):
         return F.linear(F.gelu(self.fc(x)), self.w)
 
 
+class EinsumNet(nn.Module):
+    """Weights applied by torch.einsum, which lowers a contraction without a shared batch dim to a bmm over a batch
+    of one: a token projection ("bsd,hd->bsh"), then XLNet's sequence-first head merge ("ibnd,hnd->ibh")."""
+
+    def __init__(self, d=6, heads=2, head_dim=4, n_out=3):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.w_in = nn.Parameter(torch.randn(heads * head_dim, d) / math.sqrt(d))
+        self.w_out = nn.Parameter(torch.randn(n_out, heads, head_dim) / math.sqrt(heads * head_dim))
+
+    def forward(self, x):  # [B, S, d] -> [B, S, n_out]
+        h = torch.tanh(torch.einsum("bsd,hd->bsh", x, self.w_in))
+        h = h.transpose(0, 1).unflatten(2, (self.heads, self.head_dim))  # [S, B, heads, head_dim]
+        return torch.einsum("ibnd,hnd->ibh", h, self.w_out).transpose(0, 1)
+
+
 class Conv1D(nn.Module):
     """GPT-2's Conv1D: y = addmm(b, x, W) with W stored [in, out]."""
 

@@ -38,6 +38,21 @@ def test_batch_of_one(case, schedule):
     check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule)
 
 
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_sequence_first_rows_with_an_unbacked_batch(schedule):
+    """Weights applied by einsum, the second to sequence-first rows ([T, B, ...]: samples inside the rows), with
+    the unbacked batch size of a sharded step, through Inductor: the per-sample operands are copied sample-major
+    (Inductor's bmm lowering failed on a guard of the unbacked size when handed the strided view), and the
+    symbolic strides Max(1, u0) of those copies are rebuilt as graph values."""
+    c = CASES["einsum_weights"]
+    inputs, targets = c.data(5)
+    dpcompile.mark_batch(*inputs, *targets)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, compiler="inductor")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+    check_case_invariants("einsum_weights", record.counters, record.summary)
+
+
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_auto_schedule_mixes_bk_and_ghost(case):
     c = CASES[case]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernel_plans
 from .kernel_plans import cached_plan, kernel_dtype
 
 CPU_BLOCK_BYTES = 64 << 20  # the aten path: [n, S, S] Gram matrices of at most this many bytes at a time
@@ -36,9 +37,12 @@ def block(S: int) -> int:
 
 
 # Features of the wider operand per program: wider operands are split into pieces of at most this many, each
-# piece's partial sum a part of its own (an LM head's 50257 logits: 7 pieces; no Linear of GPT-2-small's or a
-# ViT's blocks is split). Static in the shapes, not the batch, so that the fake kernel's parts are the launch's.
-SPLIT_K = 8192
+# piece's partial sum a part of its own (GPT-2's 50257 logits: 4 pieces, Llama-3.2's 128256: 8; no Linear of
+# GPT-2-small's, Llama-1B's or a ViT's blocks is split). Static in the shapes, not the batch, so that the fake
+# kernel's parts are the launch's. Timed on one H100, bf16 (benchmarks/gram_norm_kernel.py --split-k, 2026-11-28):
+# GPT-2's head at 32x256 2.01 ms unsplit, 1.72 in pieces of 8192, 1.48 of 16384; Llama's at 2x1024 0.84, 0.91,
+# 0.77 (each piece recomputes A's Gram over all of A's features: more pieces cost more).
+SPLIT_K = 16384
 
 
 def splits(p: int, m: int) -> int:
@@ -117,7 +121,7 @@ def launch(a, g, config: dict | None = None):
     if B:
         from dpcompile import triton_kernels
 
-        triton_kernels.gram_sq_norms_kernel[grid](a, g, out, *args, **consts)
+        kernel_plans.launch(triton_kernels.gram_sq_norms_kernel, grid, (a, g, out, *args), consts)
     return out
 
 

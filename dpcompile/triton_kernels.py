@@ -73,13 +73,15 @@ def conv_weight_sq_norms_kernel(
 
 
 @triton.jit
-def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo, k_hi, BLOCK_S: tl.constexpr,
-               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo, k_hi, K_LEN: tl.constexpr,
+               BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """[BLOCK_S, BLOCK_S] fp32: rows offs_i against rows offs_j of one sample's [S, F] operand at base, over its
-    features [k_lo, k_hi)."""
+    features [k_lo, k_hi), k_hi - k_lo <= K_LEN. The loop's trip count is the constexpr K_LEN (Triton 3.6's
+    interpreter cannot take a value computed from the program id as a range bound; a static count also lets the
+    compiler pipeline it); features at k_hi and beyond are masked."""
     acc = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for kk in range(0, K_LEN, BLOCK_K):
+        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
         x = tl.load(base + offs_i[:, None] * s_s + offs_k[None, :] * s_f,
                     mask=mask_i[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
@@ -115,15 +117,16 @@ def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg
         mask_j = offs_j < S
         # the two Gram tiles, [BLOCK_S, BLOCK_S] fp32 each: rows offs_i against rows offs_j of the sample's
         # A [S, P] and G [S, M]
-        ga = _gram_tile(a_ptr + b.to(tl.int64) * sa_b, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, 0, P, BLOCK_S,
-                        BLOCK_K, PRECISION)
+        ga = _gram_tile(a_ptr + b.to(tl.int64) * sa_b, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, 0, P, P,
+                        BLOCK_S, BLOCK_K, PRECISION)
         g_base = g_ptr + b.to(tl.int64) * sg_b
         if SPLITS == 1:
-            gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, BLOCK_S, BLOCK_K, PRECISION)
+            gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, M, BLOCK_S, BLOCK_K,
+                            PRECISION)
         else:
             k_lo = s * KS
             gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, k_lo, tl.minimum(k_lo + KS, M),
-                            BLOCK_S, BLOCK_K, PRECISION)
+                            KS, BLOCK_S, BLOCK_K, PRECISION)
         total = tl.sum(tl.sum(ga * gg, axis=1), axis=0)
         tl.store(out, tl.where(i == j, total, 2.0 * total))
 

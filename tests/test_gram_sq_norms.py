@@ -28,7 +28,8 @@ def test_aten_path_in_blocks_of_samples(monkeypatch):
     assert max(worst.values()) < 1e-6, worst
 
 
-@pytest.mark.parametrize("p,m,pieces", [(5, 6, 1), (8192, 3072, 1), (50257, 768, 7), (768, 50257, 7)])
+@pytest.mark.parametrize("p,m,pieces", [(5, 6, 1), (8192, 3072, 1), (16384, 16, 1), (16385, 16, 2), (50257, 768, 4),
+                                          (768, 50257, 4), (2048, 128256, 8)])
 def test_tiles_and_parts(p, m, pieces):
     # the fake kernel's parts are the launch's: a tile pair each, the ones below the diagonal zero, times the
     # pieces of the wider operand's features (an LM head's vocabulary, either side)

@@ -9,7 +9,7 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401  registers prims.inductor_lookup_seed (noise seeds)
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 aten = torch.ops.aten
 
@@ -219,8 +219,15 @@ class GraphBuilder:
         reader's own dtype and size. A small value that many ops went into (a per-sample scaled loss
         tangent) is best stored once: its readers stay small. A stride requirement
         makes Inductor store its input; eagerly it returns x itself (the strides are x's own).
+
+        Strides that hold an unbacked size (samples inside the rows, with a sharded step's batch size u0:
+        (3, 3*Max(1, u0), 1)) are left as they are: torch 2.11's Inductor cannot order them ("cannot determine
+        truth value of Relational") and the requirement is only about where the value is stored.
         """
-        return self.call(torch.ops.prims.inductor_force_stride_order.default, x, tuple(x.meta["val"].stride()))
+        stride = tuple(x.meta["val"].stride())
+        if any(free_unbacked_symbols(s) for s in stride if isinstance(s, torch.SymInt)):
+            return x
+        return self.call(torch.ops.prims.inductor_force_stride_order.default, x, stride)
 
     def f32(self, x: fx.Node) -> fx.Node:
         if x.meta["val"].dtype == torch.float32:

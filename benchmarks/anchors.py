@@ -324,12 +324,13 @@ def measure(spec: dict, device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     snapshot = memory_snapshot(spec, step, device) if spec.get("memory_snapshots") else None
     kernels = kernel_profile(spec, step, device) if spec.get("kernel_profile") else None
+    host = host_profile(spec, step, device, sync) if spec.get("host_profile") else None
     return {"status": "ok", "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": peak, "compile_and_warmup_s": warm_s, "setup_s": setup_s,
             "first_loss": first_loss, "loss": loss_value(loss), "peak_includes_warmup": graphs,
             "params": sum(p.numel() for p in model.parameters()), "compile_phases": compile_phases(),
             "inductor_kernels": inductor_kernels(),
-            "memory_snapshot": snapshot, "kernel_profile": kernels}
+            "memory_snapshot": snapshot, "kernel_profile": kernels, "host_profile": host}
 
 
 def memory_snapshot(spec: dict, step, device) -> str | None:
@@ -383,6 +384,35 @@ def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
         json.dump({"gpu_ms": round(total, 3), "launches": sum(r[1] for r in rows), "kernels": rows}, f, indent=0)
     print(f"kernel profile {stem}: {len(rows)} kernels, {sum(r[1] for r in rows)} launches, "
           f"{total:.1f} ms GPU; top: " + "; ".join(f"{r[0][:60]} x{r[1]} {r[2]:.2f}" for r in rows[:top // 4]))
+    return path
+
+
+def host_profile(spec: dict, step, device, sync, steps: int = 5, top: int = 45) -> str:
+    """``steps`` more steps under cProfile, the GPU synchronised after each: where the host's time goes (a
+    launch-bound step's wall time is its host time), as text in DIR: the functions by their own time and by
+    their cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    os.makedirs(spec["host_profile"], exist_ok=True)
+    stem = f"{spec['model']}_{spec['B']}x{spec['T']}_{spec['dtype']}_{spec['mode'].replace(':', '-')}"
+    sync()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+        sync()
+    prof.disable()
+    wall = (time.perf_counter() - t) / steps
+    buf = io.StringIO()
+    buf.write(f"{stem}: {steps} steps under cProfile, {1e3 * wall:.1f} ms a step (profiler overhead included)\n")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+    path = os.path.join(spec["host_profile"], stem + ".txt")
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
     return path
 
 
@@ -852,7 +882,8 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
                   llama_tied=args.llama_tied, inductor_config=args.inductor_config,
                   memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None,
-                  kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None)
+                  kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None,
+                  host_profile=os.path.abspath(args.host_profile) if args.host_profile else None)
              for (m, b, t) in args.shapes for dt in args.dtypes for mode in args.modes]
     results: list[dict] = []
     stopped = None
@@ -914,6 +945,9 @@ def main(argv=None) -> int:
                          "(what is alive at the peak, and where it was allocated)")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR",
                     help="CUDA: one more step under torch.profiler; every GPU kernel's count and time as JSON in DIR")
+    ap.add_argument("--host-profile", default=None, metavar="DIR",
+                    help="5 more steps under cProfile (GPU synchronised after each): the host's time by function, "
+                         "as text in DIR")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config.KEY (a Python literal) in every child before it compiles, for "
                          "A/B runs of an Inductor setting; recorded in each row (repeatable)")

@@ -31,6 +31,7 @@ import os
 
 import torch
 
+from . import kernel_plans
 from . import randn as _randn
 
 BLOCK = _randn.BLOCK  # counters per program, as dpcompile::randn: the same draw
@@ -38,6 +39,7 @@ TILE = 4 * BLOCK  # outputs per program
 # 8 warps: 1.3x the throughput of 4 (0.34 against 0.44 ms for 122 M bf16 -> fp32 coordinates on one H100,
 # benchmarks/noise_kernel.py, BENCHMARKS.md); a program's values do not depend on it
 NUM_WARPS = 8
+_CONSTS = {"BLOCK": BLOCK, "num_warps": NUM_WARPS}
 
 _LIB = torch.library.Library("dpcompile", "FRAGMENT")
 # nondeterministic_seeded: never recomputed or merged with another call by the partitioner or CSE
@@ -138,8 +140,8 @@ def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None
         if capturing:
             for k in ks:
                 n = srcs[k].numel()
-                triton_kernels.add_randn_one_kernel[(-(-n // TILE),)](
-                    srcs[k], outs[k], n, starts[k], seeds, index, scale, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                kernel_plans.launch(triton_kernels.add_randn_one_kernel, (-(-n // TILE),),
+                                    (srcs[k], outs[k], n, starts[k], seeds, index, scale), _CONSTS)
             continue
         rows, first = [], 0
         for k in ks:
@@ -147,5 +149,5 @@ def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None
             rows.append((srcs[k].data_ptr(), outs[k].data_ptr(), n, first, starts[k]))
             first += -(-n // TILE)
         table = _table(rows, seeds.device)
-        triton_kernels.add_randn_kernel[(first,)](table, len(rows), srcs[ks[0]], outs[ks[0]], seeds, index, scale,
-                                                  BLOCK=BLOCK, num_warps=NUM_WARPS)
+        kernel_plans.launch(triton_kernels.add_randn_kernel, (first,),
+                            (table, len(rows), srcs[ks[0]], outs[ks[0]], seeds, index, scale), _CONSTS)

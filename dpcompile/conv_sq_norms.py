@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from . import kernel_plans
 from .kernel_plans import cached_plan, kernel_dtype
 
 CPU_BLOCK_BYTES = 64 << 20  # the aten path: per-sample gradients of at most this many bytes at a time
@@ -152,7 +153,7 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
     if B:
         from dpcompile import triton_kernels
 
-        triton_kernels.conv_weight_sq_norms_kernel[grid](e4, x4, out, *args, **consts)
+        kernel_plans.launch(triton_kernels.conv_weight_sq_norms_kernel, grid, (e4, x4, out, *args), consts)
     return out
 
 

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from . import kernel_plans
 from .kernel_plans import cached_plan
 
 BLOCK = 1024  # counters per program: 4096 outputs
@@ -58,5 +59,5 @@ def launch(seeds: torch.Tensor, index: int, numel: int) -> torch.Tensor:
     if numel:
         from dpcompile import triton_kernels
 
-        triton_kernels.randn_kernel[grid](out, seeds, index, numel, BLOCK=BLOCK)
+        kernel_plans.launch(triton_kernels.randn_kernel, grid, (out, seeds, index, numel), {"BLOCK": BLOCK})
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernel_plans
 from .kernel_plans import cached_plan
 
 BLOCK = 1024
@@ -100,7 +101,7 @@ def _run(x: torch.Tensor, keep: torch.Tensor, dim: int) -> bool:
     if plan is None:
         return False
     if plan:
-        _kernel()[plan[0]](x, keep, *plan[1], BLOCK=plan[2])
+        kernel_plans.launch(_kernel(), plan[0], (x, keep, *plan[1]), {"BLOCK": plan[2]})
     return True
 
 

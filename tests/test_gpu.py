@@ -193,6 +193,38 @@ def test_cuda_zero_rows_kernel_matches_masked_fill():
     assert set(report.values()) == {0}, report
 
 
+def test_cuda_direct_launches_match_tritons_launcher():
+    """kernel_plans.launch: the first launch of a specialisation goes through Triton's launcher, later ones call
+    the compiled kernel directly; the same values either way, and an operand that is not 16-byte aligned (Triton
+    compiles another kernel for it) gets its own entry."""
+    from dpcompile import add_randn, gram_sq_norms, kernel_plans, zero_rows
+
+    kernel_plans._COMPILED.clear()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(4, 37, 24, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g = torch.randn(4, 37, 40, device="cuda", dtype=torch.bfloat16, generator=gen)
+    shifted = torch.empty(a.numel() + 1, device="cuda", dtype=a.dtype)[1:].view(a.shape).copy_(a)
+    assert shifted.data_ptr() % 16 != 0
+    runs = [gram_sq_norms.launch(x, g) for x in (a, a, shifted, shifted)]
+    assert len(kernel_plans._COMPILED) == 2
+    for r in runs[1:]:
+        torch.testing.assert_close(r, runs[0], rtol=0, atol=0)
+    x = torch.randn(6, 33, device="cuda", generator=gen)
+    keep = torch.tensor([True, False, True, True, False, True], device="cuda")
+    for _ in range(2):
+        y = x.clone()
+        zero_rows.launch(y, keep, 0)
+        torch.testing.assert_close(y, x * keep[:, None], rtol=0, atol=0)
+    seeds = torch.tensor([11, 12], device="cuda")
+    grads = [torch.randn(300, device="cuda", generator=gen), torch.randn(7, 9, device="cuda", generator=gen)]
+    scale = torch.tensor(0.5, device="cuda")
+    noisy = [torch.ops.dpcompile.add_randn(grads, seeds, 1, scale) for _ in range(2)]
+    for n0, n1, gr in zip(*noisy, grads):
+        torch.testing.assert_close(n0, n1, rtol=0, atol=0)
+        assert (n0 - gr).abs().max() > 0
+    assert len(kernel_plans._COMPILED) == 4  # gram twice, zero_rows, add_randn's table kernel
+
+
 def test_cuda_eager_run_of_a_dp_trained_model_raises():
     """A CUDA backward runs its hooks on autograd's device thread: the guard's error still reaches the caller,
     and dpcompile.non_private() (entered on the calling thread) still lets a non-private backward through."""

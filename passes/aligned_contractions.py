@@ -123,10 +123,15 @@ class _Padder:
         if base_dim is not None:  # pad the tensor this one is a view of, and view that again
             padded_base = self.pad(x.args[0], base_dim, extra)
             args = list(x.args[1:])
+            target = x.target
             if x.target in _VIEWS:
                 args[0] = [*args[0][:dim], args[0][dim] + extra, *args[0][dim + 1:]]
+                if not _viewable(padded_base, args[0]):
+                    # the padded base is laid out as its own base was, which the view's regrouping may not
+                    # fit (einsum's [h, B, S, d] of a [B, S, h, d] projection, grouped to [h, B*S, d])
+                    target = aten.reshape.default
             self._like(x)
-            out = self.b.call(x.target, padded_base, *args)
+            out = self.b.call(target, padded_base, *args)
         elif self._is_row_mask(x, dim):  # where(keep, x, 0) padded is where(keep, pad(x), 0)
             keep, inner, zero = x.args
             padded_inner = self.pad(inner, dim, extra)
@@ -244,6 +249,15 @@ class _Padder:
         # new nodes belong where the node they stand in for was made (forward or backward)
         self.b.meta_source = x
         self.b.tag = x.meta.get("partitioner_tag")
+
+
+def _viewable(x: fx.Node, shape: list) -> bool:
+    """Whether x's value can be viewed (not copied) as ``shape``."""
+    try:
+        x.meta["val"].view(shape)
+    except Exception:  # a stride mismatch, or a question about a symbolic size: reshape then
+        return False
+    return True
 
 
 def _sizes(node: fx.Node):

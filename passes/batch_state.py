@@ -54,7 +54,8 @@ class Mixed:
 class Contribution:
     """A backward node that sums a per-sample quantity over the samples.
 
-    kind: "mm" (contraction over sample rows), "sum" (reduction over the
+    kind: "mm" (contraction over sample rows), "bmm" (a batched one, over a
+    sample-free batch dim: per-head weights), "sum" (reduction over the
     sample dim), "index_put" (embedding backward: scatter-add of sample rows).
     operands: the argument positions (into node.args) of the per-sample inputs,
     with the layout of the sample dim in each.

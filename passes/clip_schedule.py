@@ -88,7 +88,7 @@ def _row_elements(v: fx.Node, lay: Batched) -> int | None:
 
 def _tangent_position(c: Contribution, positions: dict[int, Batched]) -> int:
     """The argument position of a contribution's operand that is linear in the loss tangent."""
-    return c.scaled_operand if c.kind in ("mm", "conv") else next(iter(positions))
+    return c.scaled_operand if c.kind in ("mm", "bmm", "conv") else next(iter(positions))
 
 
 def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
@@ -98,7 +98,7 @@ def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
     states, not the logits' gradient); on a tie the one not linear in the tangent, since the tangent side is
     always made by the backward itself, and so can be masked in place, where the other may be a saved
     activation."""
-    if c.kind not in ("mm", "conv") or len(positions) != 2:
+    if c.kind not in ("mm", "bmm", "conv") or len(positions) != 2:
         return _tangent_position(c, positions)
     args = c.node.args
     other = next(i for i in positions if i != c.scaled_operand)
@@ -110,7 +110,7 @@ def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
 
 def _operand_positions(c: Contribution) -> dict[int, Batched]:
     """Argument position -> sample layout of every per-sample operand of a contribution."""
-    if c.kind == "mm":
+    if c.kind in ("mm", "bmm"):
         return dict(c.layouts)
     if c.kind == "index_put":
         return {3 if c.node.target is aten._unsafe_masked_index_put_accumulate.default else 2: c.layouts["values"]}
@@ -214,7 +214,7 @@ def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
     nothing more (its clipped gradient is read from them)."""
     if c in ctx.sample_rows:
         return 0
-    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "sum", "embedding_backward", "conv") else \
+    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "bmm", "sum", "embedding_backward", "conv") else \
         c.extra["values"]
     nbytes = bytes_at_expected_batch(op, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
     return 1 << 62 if nbytes is None else nbytes
@@ -343,7 +343,7 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
 def _describe_scaled(c: Contribution, i: int) -> str:
     """The operand at position i of a deferred contribution, which bk scales by the clip coefficients, and its
     shape."""
-    role = "the input" if c.kind in ("mm", "conv") and i != c.scaled_operand else "the output gradient"
+    role = "the input" if c.kind in ("mm", "bmm", "conv") and i != c.scaled_operand else "the output gradient"
     shape = [str(s) for s in c.node.args[i].meta["val"].shape] if isinstance(c.node.args[i], fx.Node) else []
     return f"{role} [{', '.join(shape)}]"
 

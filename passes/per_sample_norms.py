@@ -112,15 +112,32 @@ class NormBuilder:
         self.B = ctx.batch_size
 
     # -- mm: A [p, N] @ G [N, m] with samples on N ------------------------------
+    # bmm: A [H, p, N] @ G [H, N, m] (per-head weights): H such products side by side, their factors
+    # [B * H, S, p] and [B * H, S, m], each sample's squared norm the sum of its H products' ones
     def mm_factors(self, c: Contribution):
         a, g = c.node.args[0], c.node.args[1]
+        if c.kind == "bmm":
+            return (sample_major(self.b, a, c.layouts[0], [1], self.B, lead=(0,)),
+                    sample_major(self.b, g, c.layouts[1], [2], self.B, lead=(0,)))
         A = sample_major(self.b, a, c.layouts[0], [0], self.B)  # [B, S, p], in a's dtype
         G = sample_major(self.b, g, c.layouts[1], [1], self.B)  # [B, S, m]
         return A, G
 
+    @staticmethod
+    def _heads(c: Contribution) -> int:
+        """Products per sample: a bmm contribution's batch size H, 1 for an mm."""
+        return c.node.args[0].meta["val"].shape[0] if c.kind == "bmm" else 1
+
+    def _per_sample(self, c: Contribution, x: fx.Node) -> fx.Node:
+        """[B * H, ...] per (sample, head) -> [B, ...] summed over the heads (a bmm contribution); x for an mm."""
+        if c.kind != "bmm":
+            return x
+        shape = list(x.meta["val"].shape)
+        return self.b.call(aten.sum.dim_IntList, self.b.reshape(x, [self.B, self._heads(c)] + shape[1:]), [1])
+
     def mm_algorithm(self, c: Contribution) -> tuple[str, str]:
-        p, N = c.node.args[0].meta["val"].shape
-        m = c.node.args[1].meta["val"].shape[1]
+        p, N = c.node.args[0].meta["val"].shape[-2:]
+        m = c.node.args[1].meta["val"].shape[-1]
         lay = c.layouts[0]
         S = lay.outer * lay.inner
         if known(S == 1):
@@ -152,6 +169,13 @@ class NormBuilder:
         return max(1, min(n, -(-total // NORM_BLOCK_BYTES)))
 
     def mm_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
+        sq, algo, why = self._mm_sq(c)
+        if c.kind == "bmm":
+            why += f"; {self._heads(c)} products per sample (a batched matmul's batch dim), their squares summed"
+        return self._per_sample(c, sq), algo, why
+
+    def _mm_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
+        """[B * H] squared norms of each sample's products (H = 1 but for a bmm contribution)."""
         b = self.b
         algo, why = self.mm_algorithm(c)
         A, G = self.mm_factors(c)
@@ -161,11 +185,12 @@ class NormBuilder:
             return b.call(aten.mul.Tensor, sa, sg), algo, why
         _, S, p = A.meta["val"].shape
         m = G.meta["val"].shape[2]
+        H = self._heads(c)
         if algo == "ghost" and (sq := self.gram_sq(A, G)) is not None:
             return sq, algo, why + GRAM_KERNEL_WHY
         if algo == "ghost":
             # <A A^T, G G^T> over row blocks of the [S, S] Gram matrices
-            k = self._blocks(2 * S * S * 4, S)
+            k = self._blocks(2 * S * S * 4 * H, S)
             parts = []
             for lo, hi in _spans(S, k):
                 Ab = A if k == 1 else b.call(aten.slice.Tensor, A, 1, lo, hi)
@@ -175,7 +200,7 @@ class NormBuilder:
                 parts.append(b.sum_per_sample(b.call(aten.mul.Tensor, Ga, Gg)))
         else:
             # ||A^T G||^2 over blocks of the larger feature dim: [B, p, m] never whole when it is large
-            k = self._blocks(p * m * 4, max(p, m))
+            k = self._blocks(p * m * 4 * H, max(p, m))
             parts = []
             for lo, hi in _spans(max(p, m), k):
                 Ab, Gb = A, G
@@ -201,7 +226,11 @@ class NormBuilder:
 
     def mm_materialize(self, c: Contribution) -> fx.Node:
         A, G = self.mm_factors(c)
-        return bmm_f32(self.b, _transpose12(self.b, A), G)  # [B, p, m]
+        grads = bmm_f32(self.b, _transpose12(self.b, A), G)  # [B, p, m]; a bmm's [B * H, p, m]
+        if c.kind == "bmm":
+            _, p, m = grads.meta["val"].shape
+            return self.b.reshape(grads, [self.B, self._heads(c), p, m])
+        return grads
 
     # -- conv: a convolution's weight gradient (passes.conv_norms) --------------
     def conv_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
@@ -372,7 +401,7 @@ class NormBuilder:
 
     # -- dispatch ---------------------------------------------------------------
     def sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
-        if c.kind == "mm":
+        if c.kind in ("mm", "bmm"):
             return self.mm_sq(c)
         if c.kind == "sum":
             return self.b.sq_sum_per_sample(self.sum_materialize(c)), "materialize", "reduction: per-sample sum"
@@ -383,7 +412,7 @@ class NormBuilder:
         raise AssertionError(c.kind)
 
     def materialize(self, c: Contribution) -> fx.Node:
-        if c.kind == "mm":
+        if c.kind in ("mm", "bmm"):
             return self.mm_materialize(c)
         if c.kind == "sum":
             return self.sum_materialize(c)

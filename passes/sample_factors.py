@@ -14,16 +14,19 @@ from .batch_state import Batched
 aten = torch.ops.aten
 
 
-def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[int], B: Any) -> fx.Node:
-    """x with samples on ``lay`` -> [B, S, F]: S = the sample's rows, F = features."""
+def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[int], B: Any,
+                 lead: tuple[int, ...] = ()) -> fx.Node:
+    """x with samples on ``lay`` -> [B, S, F]: S = the sample's rows, F = features. With ``lead`` dims (a batched
+    matmul's batch dim H): [B * H, S, F], sample-major, each (sample, h) its own rows."""
     shape = list(x.meta["val"].shape)
     d = lay.dim
     split = shape[:d] + [lay.outer, B, lay.inner] + shape[d + 1 :]
     xs = b.view(x, split)
     newpos = lambda k: k if k < d else k + 2  # noqa: E731
     feats = [newpos(f) for f in feature_dims]
-    rows = [k for k in range(len(split)) if k != d + 1 and k not in feats]
-    xs = b.permute(xs, [d + 1] + rows + feats)
+    leads = [newpos(k) for k in lead]
+    rows = [k for k in range(len(split)) if k != d + 1 and k not in feats and k not in leads]
+    xs = b.permute(xs, [d + 1] + leads + rows + feats)
     if not known(lay.outer == 1):
         # samples inside the rows (a sequence-first [T, B, d] activation): copied sample-major, as an eager
         # reshape would. Inductor otherwise keeps the reshape a view when it only drops size-one dims, and
@@ -36,7 +39,10 @@ def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[i
     F = 1
     for k in feats:
         F = F * split[k]
-    return b.reshape(xs, [B, S, F])
+    n = B
+    for k in leads:
+        n = n * split[k]
+    return b.reshape(xs, [n, S, F])
 
 
 def transpose12(b: GraphBuilder, x: fx.Node) -> fx.Node:

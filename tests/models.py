@@ -46,6 +46,32 @@ class EinsumNet(nn.Module):
         return torch.einsum("ibnd,hnd->ibh", h, self.w_out).transpose(0, 1)
 
 
+class PerHeadNet(nn.Module):
+    """Per-head weights that share a batch dim with the activations: einsum("bhsd,hde->bhse") is a batched matmul
+    over the heads whose weight gradient contracts each head's sample rows (a "bmm" contribution); also with one
+    row per sample and head ("bhd,hde->bhe": rank one), and on sequence-first rows ("shbd,hde->shbe": samples
+    inside the rows)."""
+
+    def __init__(self, d=6, heads=2, head_dim=4, n_out=3):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.proj = nn.Linear(d, heads * head_dim)
+        self.w_head = nn.Parameter(torch.randn(heads, head_dim, head_dim) / math.sqrt(head_dim))
+        self.w_seq = nn.Parameter(torch.randn(heads, head_dim, head_dim) / math.sqrt(head_dim))
+        self.w_pool = nn.Parameter(torch.randn(heads, head_dim, 2) / math.sqrt(head_dim))
+        self.out = nn.Linear(heads * head_dim + heads * 2, n_out)
+
+    def forward(self, x):  # [B, S, d] -> [B, S, n_out]
+        B, S, _ = x.shape
+        h = self.proj(x).unflatten(2, (self.heads, self.head_dim)).transpose(1, 2)  # [B, heads, S, head_dim]
+        h = torch.tanh(torch.einsum("bhsd,hde->bhse", h, self.w_head))
+        hs = torch.einsum("shbd,hde->shbe", h.permute(2, 1, 0, 3), self.w_seq)  # [S, heads, B, head_dim]
+        h = h + torch.tanh(hs).permute(2, 1, 0, 3)
+        pooled = torch.einsum("bhd,hde->bhe", h.mean(2), self.w_pool)  # [B, heads, 2]
+        y = torch.cat([h.transpose(1, 2).flatten(2), pooled.flatten(1).unsqueeze(1).expand(B, S, -1)], -1)
+        return self.out(y)
+
+
 class Conv1D(nn.Module):
     """GPT-2's Conv1D: y = addmm(b, x, W) with W stored [in, out]."""
 

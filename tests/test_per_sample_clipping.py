@@ -92,6 +92,17 @@ def test_linear_norm_algorithms_agree(algo):
     assert backend.compiled[0].counters[f"norm_mm_{algo}"] == 2
 
 
+@pytest.mark.parametrize("algo", ["ghost", "direct"])
+def test_per_head_weight_norm_forms(algo):
+    """Per-head weights (a batched matmul's weight gradient, H products per sample): each norm form, over the
+    B * H (sample, head) pairs, summed per sample; one row per sample and head takes the rank-one form."""
+    c = CASES["per_head_weights"]
+    inputs, targets = c.data(4)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="bk", linear_norm=algo)
+    counters = backend.compiled[0].counters
+    assert counters[f"norm_bmm_{algo}"] == 2 and counters["norm_bmm_rank_one"] == 1, counters
+
+
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 def test_varying_batch_sizes_use_a_dynamic_graph(schedule):
     """Poisson sampling changes B every step: dynamo recompiles once with a symbolic batch size."""

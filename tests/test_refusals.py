@@ -329,3 +329,21 @@ def test_a_graph_of_dpcompiles_own_code_is_described_as_a_split_step(monkeypatch
     assert "only part of the training step" in text and "What to do" in text
     frame.f_code = test_loss_is_the_output_its_tangent_seeds_not_the_first_output.__code__  # user code: no split
     assert step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())) is None
+
+
+class HeadStatistics(nn.Module):
+    """Per-head weights plus the heads' [d, d] statistics over the whole batch: a batched matmul that sums over
+    the samples in the forward, not a weight gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x):  # [B, 2, S, 4]
+        stats = torch.einsum("bhsd,bhse->hde", x, x)
+        return torch.einsum("bhsd,hde->bhse", x, self.w + stats)
+
+
+def test_a_batched_matmul_summing_samples_in_the_forward_is_refused():
+    expect_refusal(lambda: run(HeadStatistics(), lambda m, x: m(x).pow(2).sum(), (torch.randn(4, 2, 3, 4),)),
+                   "aten.bmm.default", "HeadStatistics", "mixes samples")

@@ -54,7 +54,7 @@ def _mm(an, node):
 
 
 def _bmm(an, node):
-    return _bmm_of(an, node, node.args[0], node.args[1])
+    return _bmm_of(an, node, node.args[0], node.args[1], contribution=True)
 
 
 def _baddbmm(an, node):
@@ -74,8 +74,15 @@ def _baddbmm(an, node):
     return cand
 
 
-def _bmm_of(an, node, a, b):
+def _bmm_of(an, node, a, b, contribution=False):
+    """[H, n, k] @ [H, k, m]: samples on the batch dim or on a free dim pass through; on k (a sample-free batch
+    dim H) the product sums over samples: per-head weights applied with einsum("bhsd,hde->bhse") have their
+    weight gradient so, a contribution of kind "bmm" (H weight gradients of the mm kind, side by side)."""
     sa, sb = an.st(a), an.st(b)
+    ka = sa if isinstance(sa, Batched) and sa.dim == 2 else None
+    kb = sb if isinstance(sb, Batched) and sb.dim == 1 else None
+    if ka or kb:
+        return _bmm_over_samples(an, node, (a, sa, ka), (b, sb, kb), contribution)
     found = None
     for s, allowed in ((sa, {0: 0, 1: 1}), (sb, {0: 0, 2: 2})):
         if isinstance(s, Batched):
@@ -92,6 +99,28 @@ def _bmm_of(an, node, a, b):
     if found is not None and found.dim != 0 and isinstance(sa, Batched) and isinstance(sb, Batched):
         return Mixed(node, "a product of per-sample rows and per-sample columns")
     return found
+
+
+def _bmm_over_samples(an, node, first, second, contribution):
+    """A batched matmul whose contraction dim k holds samples (ka on the first operand's dim 2, kb on the
+    second's dim 1)."""
+    (a, sa, ka), (b, sb, kb) = first, second
+    for s, k in ((sa, ka), (sb, kb)):
+        if isinstance(s, Batched) and s.dim is None:
+            return SINGLE
+        if isinstance(s, Batched) and k is None:
+            return Mixed(node, "a batched matmul contracting over samples, with per-sample rows or batch entries "
+                               "in its other operand")
+    if ka and kb and not (known(ka.outer == kb.outer) and known(ka.inner == kb.inner)):
+        return Mixed(node, "a batched matmul contracting over rows that belong to different samples")
+    if not contribution:
+        return Mixed(node, "a batched matmul contracting over samples, plus an added input")
+    lay = ka or kb
+    layouts = {0: Batched(2, lay.outer, lay.inner), 1: Batched(1, lay.outer, lay.inner)}
+    tdep_ops = [i for i, x in ((0, a), (1, b)) if x in an.tdep]
+    if len(tdep_ops) == 1 and node in an.tdep:
+        an.contributions[node] = Contribution(node, "bmm", layouts, tdep_ops[0])
+    return Reduced(node)
 
 
 RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm, aten.baddbmm: _baddbmm}

@@ -390,7 +390,8 @@ def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
 def host_profile(spec: dict, step, device, sync, steps: int = 5, top: int = 45) -> str:
     """``steps`` more steps under cProfile, the GPU synchronised after each: where the host's time goes (a
     launch-bound step's wall time is its host time), as text in DIR: the functions by their own time and by
-    their cumulative time."""
+    their cumulative time. cProfile, not torch.profiler's CPU ops (vision.py --host-profile): the time in
+    Python between ops (Triton's launcher, Inductor's wrapper code, custom ops' Python) is what it shows."""
     import cProfile
     import io
     import pstats

@@ -670,7 +670,8 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         if ctx.whole_gradient_mode:
             with graph.inserting_after(anchor):
                 b.meta_source = anchor
-                whole = _combine(b, [(b.view(n, [1, -1]), beta) for n, beta in locals_])
+                # reshape: a gradient may be a transposed view (einsum's weight gradient)
+                whole = _combine(b, [(b.reshape(n, [1, -1]), beta) for n, beta in locals_])
                 if partial:
                     tp_partials.append(b.f32(whole))
                 else:

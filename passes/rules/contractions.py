@@ -32,6 +32,8 @@ def _mm(an, node):
         return Mixed(node, "a product of two per-sample matrices across samples")
     if (ka or kb) and (rows or cols):
         return Mixed(node, "a contraction over samples mixed with per-sample rows")
+    if (ka or kb) and _one_sample_forward(an, node):
+        return SINGLE
     if ka or kb:
         if ka and kb and not (known(ka.outer == kb.outer) and known(ka.inner == kb.inner)):
             return Mixed(node, "a contraction over rows that belong to different samples")
@@ -51,6 +53,14 @@ def _mm(an, node):
             if sbias.moved(d_out) != out:
                 return fail_layout(an, node, "adds a per-sample bias with a different sample dim")
     return out
+
+
+def _one_sample_forward(an, node) -> bool:
+    """A forward contraction in a graph of one sample (a static batch of one, clipped whole: whole_gradient_mode).
+    With B == 1 the layouts cannot tell the size-one sample dim from another size-one dim, and torch.einsum moves
+    it where a contraction reads it: what looks like a contraction over samples is that one sample's product
+    (SINGLE: no dim of it known). It was refused as a sum over the samples."""
+    return known(an.B == 1) and node not in an.tdep
 
 
 def _bmm(an, node):
@@ -81,6 +91,8 @@ def _bmm_of(an, node, a, b, contribution=False):
     sa, sb = an.st(a), an.st(b)
     ka = sa if isinstance(sa, Batched) and sa.dim == 2 else None
     kb = sb if isinstance(sb, Batched) and sb.dim == 1 else None
+    if (ka or kb) and _one_sample_forward(an, node):
+        return SINGLE
     if ka or kb:
         return _bmm_over_samples(an, node, (a, sa, ka), (b, sb, kb), contribution)
     found = None

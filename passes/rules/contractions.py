@@ -40,11 +40,8 @@ def _mm(an, node):
         lay = ka or kb
         if bias is not None:
             return Mixed(node, "a contraction over samples plus a bias")
-        layouts = {0: Batched(1, lay.outer, lay.inner), 1: Batched(0, lay.outer, lay.inner)}
-        tdep_ops = [i for i, x in ((0, a), (1, b)) if x in an.tdep]
-        if len(tdep_ops) == 1 and node in an.tdep:
-            an.contributions[node] = Contribution(node, "mm", layouts, tdep_ops[0])
-        return Reduced(node)
+        return _sum_over_samples(an, node, "mm", a, b, {0: Batched(1, lay.outer, lay.inner),
+                                                          1: Batched(0, lay.outer, lay.inner)})
     out = rows.moved(0) if rows else cols.moved(1)
     if bias is not None:
         sbias = an.st(bias)
@@ -95,19 +92,16 @@ def _bmm_of(an, node, a, b, contribution=False):
         return SINGLE
     if ka or kb:
         return _bmm_over_samples(an, node, (a, sa, ka), (b, sb, kb), contribution)
-    found = None
-    for s, allowed in ((sa, {0: 0, 1: 1}), (sb, {0: 0, 2: 2})):
+    found = None  # samples on the batch dim or a free dim (a contraction dim holding them is handled above)
+    for s in (sa, sb):
         if isinstance(s, Batched):
             if s.dim is None:
                 return SINGLE
-            if s.dim not in allowed:
-                return fail_layout(an, node, "batched matmul contracting over the sample dim")
-            cand = s.moved(allowed[s.dim])
-            if found is not None and (found.dim == 0) != (cand.dim == 0):
+            if found is not None and (found.dim == 0) != (s.dim == 0):
                 return fail_layout(an, node, "batched matmul with samples on both operands' free dims")
-            if found is not None and found.dim == 0 and found != cand:
+            if found is not None and found.dim == 0 and found != s:
                 return fail_layout(an, node, "batched matmul with different sample layouts")
-            found = cand
+            found = s
     if found is not None and found.dim != 0 and isinstance(sa, Batched) and isinstance(sb, Batched):
         return Mixed(node, "a product of per-sample rows and per-sample columns")
     return found
@@ -128,10 +122,17 @@ def _bmm_over_samples(an, node, first, second, contribution):
     if not contribution:
         return Mixed(node, "a batched matmul contracting over samples, plus an added input")
     lay = ka or kb
-    layouts = {0: Batched(2, lay.outer, lay.inner), 1: Batched(1, lay.outer, lay.inner)}
+    return _sum_over_samples(an, node, "bmm", a, b, {0: Batched(2, lay.outer, lay.inner),
+                                                      1: Batched(1, lay.outer, lay.inner)})
+
+
+def _sum_over_samples(an, node, kind, a, b, layouts):
+    """A contraction over sample rows: a sum over the samples, and a weight-gradient contribution of ``kind``
+    (layouts: the samples' layout in each operand) where it is in the backward with exactly one operand linear in
+    the loss tangent."""
     tdep_ops = [i for i, x in ((0, a), (1, b)) if x in an.tdep]
     if len(tdep_ops) == 1 and node in an.tdep:
-        an.contributions[node] = Contribution(node, "bmm", layouts, tdep_ops[0])
+        an.contributions[node] = Contribution(node, kind, layouts, tdep_ops[0])
     return Reduced(node)
 
 

@@ -131,7 +131,9 @@ def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None
     from dpcompile import triton_kernels
 
     starts, _ = tile_starts([s.numel() for s in srcs])
-    capturing = per_tensor or (seeds.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    recording = kernel_plans.is_recording()  # fake tensors (dpcompile.precompile): no addresses, no table to copy
+    capturing = per_tensor or (not recording and seeds.device.type == "cuda" and
+                               torch.cuda.is_current_stream_capturing())
     by_dtype: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for k, (s, o) in enumerate(zip(srcs, outs)):
         if s.numel():
@@ -146,8 +148,9 @@ def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None
         rows, first = [], 0
         for k in ks:
             n = srcs[k].numel()
-            rows.append((srcs[k].data_ptr(), outs[k].data_ptr(), n, first, starts[k]))
+            rows.append((0, 0, n, first, starts[k]) if recording else
+                        (srcs[k].data_ptr(), outs[k].data_ptr(), n, first, starts[k]))
             first += -(-n // TILE)
-        table = _table(rows, seeds.device)
+        table = seeds.new_empty([5 * len(rows)]) if recording else _table(rows, seeds.device)
         kernel_plans.launch(triton_kernels.add_randn_kernel, (first,),
                             (table, len(rows), srcs[ks[0]], outs[ks[0]], seeds, index, scale), _CONSTS)

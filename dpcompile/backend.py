@@ -33,6 +33,7 @@ from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import BACKWARD_PASSES, PASSES, DPPassContext, ParamInfo
 from dpcompile.passes.cleanup import finalize
 from dpcompile.passes.per_sample_norms import NORM_ALL_REDUCE_META
+from dpcompile.precompile import precompile_kernels
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
 from dpcompile.step_split import Split, describe_split, split_error_text
@@ -279,6 +280,10 @@ class DPPartitioner(CustomPartitionerFn):
         for p in BACKWARD_PASSES:
             if p.name not in self.backend.config.disable_passes:
                 bw = p.fn(bw, ctx)
+        # dpcompile's Triton kernels compiled in threads while Inductor compiles these graphs, not at first launch
+        precompiled = precompile_kernels([fw, bw])
+        if precompiled is not None:
+            ctx.summary["kernel_precompile"] = precompiled
         self.record.counters = dict(ctx.counters)
         # Inductor's memory planning of bw adds buffer_reuses_refused to them
         count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)

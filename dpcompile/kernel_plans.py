@@ -4,7 +4,11 @@ per call signature, and the launch itself (a step repeats the same few calls, an
 host time counts)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -51,10 +55,18 @@ def _spec(value: Any) -> Any:
 def launch(kernel: Any, grid: tuple, args: tuple, consts: dict) -> None:
     """``kernel[grid](*args, **consts)`` (args positional, consts by name: constexprs and launch options), with
     Triton's lookup of the compiled kernel done once per specialisation of the arguments. CUDA tensors; under
-    TRITON_INTERPRET=1, or for an object that is not a compiled Triton kernel (a test's recorder), the plain call."""
+    TRITON_INTERPRET=1, or for an object that is not a compiled Triton kernel (a test's recorder), the plain call.
+    Inside ``recording()`` the launch is recorded, not made."""
+    calls = getattr(_RECORDING, "calls", None)
+    if calls is not None:
+        calls.append((kernel, grid, args, consts))
+        return
     key = (kernel, tuple(map(_spec, args)), tuple(consts.items()))
     entry = _COMPILED.get(key)
     if entry is None:
+        pending = _PENDING.pop(key, None)
+        if pending is not None:  # its compile, started by precompile(); a failed one is redone (and raises) below
+            pending.exception()
         compiled = kernel[grid](*args, **consts)
         entry = _direct(kernel, compiled, args, consts)
         if entry is not None:
@@ -105,3 +117,77 @@ def _hooks():
     from triton import knobs
 
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+# -- compiles ahead of the first launch ---------------------------------------------------------------------------
+# Triton compiles a kernel at its first launch, one specialisation at a time, while the step waits: the Gram norm
+# kernel specialises on its operands' widths, so a GPT-2 step's first backward compiled five of them in a row
+# (about 2 s each for fp32 on a CPU core), after Inductor's compile of the same graphs. ``precompile`` starts
+# those compiles in threads as soon as the graphs are known (dpcompile.precompile: from the partitioned graphs,
+# opt-in), beside Inductor's compile; Triton's compile spends most of its time outside the GIL (MLIR passes,
+# ptxas: four Gram kernels in 4.3 s one after another, 2.7 s in threads on two CPU cores).
+_RECORDING = threading.local()
+_PENDING: dict = {}  # launch key -> Future of its compile
+_POOL: list = []
+
+
+@contextlib.contextmanager
+def recording():
+    """``launch`` records ``(kernel, grid, args, consts)`` into the yielded list instead of launching (this
+    thread only): the launches a call of a kernel module would make, with fake tensors as its operands."""
+    previous = getattr(_RECORDING, "calls", None)
+    _RECORDING.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _RECORDING.calls = previous
+
+
+def is_recording() -> bool:
+    return getattr(_RECORDING, "calls", None) is not None
+
+
+def _aligned_spec(value: Any) -> Any:
+    """_spec of a tensor at a 16-byte aligned address (what the caching allocator hands out), from its dtype and
+    device alone: the recorded operands are fake."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.device.index, True
+    return value
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)),
+                                        thread_name_prefix="dpcompile-precompile"))
+    return _POOL[0]
+
+
+def _warm(kernel: Any, device: int, args: tuple, consts: dict) -> None:
+    # the CUDA device is per thread: Triton compiles for, and caches under, the current one
+    if device is not None:
+        torch.cuda.set_device(device)
+    kernel.warmup(*args, grid=(1,), **consts)
+
+
+def precompile(calls: list) -> int:
+    """Starts compiling, in background threads, the kernels that ``calls`` (recorded launches, tensors at aligned
+    addresses) will need; ``launch`` waits for a pending compile of its key. Returns how many it started: none for
+    a key compiled or pending already. A compile that fails costs nothing: the launch compiles (and raises) itself."""
+    started = 0
+    for kernel, _grid, args, consts in calls:
+        specs = tuple(map(_aligned_spec, args))
+        key = (kernel, specs, tuple(consts.items()))
+        if key in _COMPILED or key in _PENDING or not hasattr(kernel, "warmup"):
+            continue
+        device = next((s[1] for a, s in zip(args, specs) if isinstance(a, torch.Tensor)), None)
+        # tensors as their dtypes: Triton's warmup stands in a tensor at address 0 (aligned) for each
+        warm_args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
+        _PENDING[key] = _pool().submit(_warm, kernel, device, warm_args, consts)
+        started += 1
+    return started
+
+
+def wait_for_precompiles() -> None:
+    """Blocks until every compile ``precompile`` started has finished (tests, benchmarks)."""
+    for future in list(_PENDING.values()):
+        future.exception()

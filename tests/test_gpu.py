@@ -49,6 +49,21 @@ def test_cuda_matches_reference(case, schedule):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("case", ["gpt", "conv_kinds"])
+def test_cuda_precompiled_steps_match_reference(case, monkeypatch):
+    """DPCOMPILE_PRECOMPILE=1: every kernel op's launches are made out from the graphs and compiled ahead, and
+    the step is exact."""
+    monkeypatch.setenv("DPCOMPILE_PRECOMPILE", "1")
+    c = CASES[case]
+    inputs, targets = c.data(4)
+    ref, gpu, backend = _clipped_on_cuda(c.model(), c.loss, inputs, targets, schedule="bk", memory_budget=4000)
+    for name, p in gpu.named_parameters():
+        torch.testing.assert_close(p.grad.double().cpu(), ref[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.summary["kernel_precompile"]["failed"] == [], record.summary["kernel_precompile"]
+
+
 @pytest.mark.parametrize("case", ["gpt", "llama", "conv_kinds"])
 def test_cuda_bk_drops_bad_samples_exactly(case):
     """bk on CUDA, 6 samples of which one has a NaN float input (token models have none) and one an inf loss
@@ -234,3 +249,37 @@ def test_cuda_eager_run_of_a_dp_trained_model_raises():
         rep = dist_worker.eager_guard_report(None, "cuda")
     assert "no dp_fsdp graph produced" in rep["eager"] and all(rep["cleared"]), rep
     assert rep["dp_grads"] and rep["non_private"] and rep["dp_again"], rep
+
+
+def test_cuda_precompiled_kernel_is_the_one_launched():
+    """A kernel compiled ahead from a graph's fake values (dpcompile.precompile) is the specialisation the real
+    launch asks for: Triton's cache of the kernel grows at the compile, not again at the launch."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile import gram_sq_norms, kernel_plans, precompile, triton_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # widths no other test uses: a specialisation not compiled yet in this process
+    a = torch.randn(3, 45, 40, device="cuda", generator=gen)
+    g = torch.randn(3, 45, 88, device="cuda", generator=gen)
+    graph = fx.Graph()
+    nodes = [graph.placeholder("a"), graph.placeholder("g")]
+    with FakeTensorMode():
+        for n, t in zip(nodes, (a, g)):
+            n.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    graph.output(graph.call_function(torch.ops.dpcompile.gram_sq_norms.default, tuple(nodes)))
+    launches = precompile.recorded_launches([fx.GraphModule(torch.nn.Module(), graph)])
+    cache = triton_kernels.gram_sq_norms_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    assert kernel_plans.precompile(launches) == 1
+    kernel_plans.wait_for_precompiles()
+    assert len(cache) == before + 1
+    out = gram_sq_norms.launch(a, g)
+    assert len(cache) == before + 1
+    # and later launches call that compiled kernel directly (kernel_plans._direct took it)
+    direct = [entry[0] for key, entry in kernel_plans._COMPILED.items()
+              if key[0] is triton_kernels.gram_sq_norms_kernel]
+    assert any(d is compiled for d in direct for compiled in cache.values())
+    expected = torch.einsum("bsp,btp,bsm,btm->b", a.double(), a.double(), g.double(), g.double())
+    torch.testing.assert_close(out.sum(1).double(), expected, rtol=1e-4, atol=1e-4)

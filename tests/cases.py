@@ -96,6 +96,9 @@ SMALL_LAYER_CASES = {
                               lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
     "attention_padding_mask": Case(lambda: M.PaddedAttention(),
                                    lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
+    # a top-2 routed mixture of experts: topk routing, expert weights gathered per token (an index_put gradient)
+    "routed_experts": Case(lambda: M.RoutedExperts(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
+                           M.mse),
     # every convolution form, GroupNorm, InstanceNorm, LayerNorm over channels (tests/test_convolution.py
     # has each form alone, with both per-sample norm forms)
     "conv_kinds": Case(lambda: M.ConvNet(), lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randn(B, 3),)), M.mse),
@@ -249,6 +252,8 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls
         assert sum(v for k, v in counters.items() if k.startswith("norm_bmm_")) >= 3, counters
+    if name == "routed_experts":  # the experts' weights and biases gathered per token: index_put gradients
+        assert counters.get("norm_index_put_embedding_ghost", 0) >= 3, counters
     if name in ("gpt_tied", "hf_gpt2"):
         assert counters["params_shared"] == 1  # the norm of the per-sample sum of both uses, not two norms
     if name in ("gpt_frozen", "gpt_lora"):

@@ -186,6 +186,10 @@ MODELS = {
     "mixtral": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
                   max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
                   experts_implementation="eager"),  # top-2 routed MoE; eager experts: grouped_mm takes no float64
+    # the same with its experts as batched matmuls of weights gathered per token: one graph, no data-dependent shape
+    "mixtral_bmm": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
+                      max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+                      experts_implementation="batched_mm"),
     "deberta_v2": hf("DebertaV2Config", "DebertaV2ForSequenceClassification", "cls", max_position_embeddings=16,
                      relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"], **BLOCK, **NO_DROP),
     "mobilebert": hf("MobileBertConfig", "MobileBertForSequenceClassification", "cls", hidden_size=16,

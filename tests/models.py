@@ -46,6 +46,35 @@ class EinsumNet(nn.Module):
         return torch.einsum("ibnd,hnd->ibh", h, self.w_out).transpose(0, 1)
 
 
+class RoutedExperts(nn.Module):
+    """A top-k routed mixture of experts in the form Hugging Face's MoE models take with
+    experts_implementation="batched_mm" (Mixtral, Qwen-MoE, ...): a router's softmax picks each token's top_k
+    experts (topk: its backward scatters the gradient back), each token repeated top_k times goes through its
+    experts' weights gathered by index (w[e]: a per-token weight, whose gradient is an index_put of per-token
+    outer products) and a batched matmul, the outputs weighted by the renormalised router probabilities."""
+
+    def __init__(self, d=6, hidden=8, n_out=3, experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, d) / math.sqrt(d))
+        self.w_out = nn.Parameter(torch.randn(experts, d, hidden) / math.sqrt(hidden))
+        self.b_out = nn.Parameter(torch.zeros(experts, d))
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, x):  # [B, S, d] -> [B, S, n_out]
+        d = x.shape[-1]
+        h = x.reshape(-1, d)
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k, dim=-1)  # [N, top_k]
+        weights = weights / weights.sum(-1, keepdim=True)
+        e = chosen.reshape(-1)
+        tokens = h.repeat_interleave(self.top_k, dim=0)  # [N * top_k, d]
+        up = F.silu(torch.bmm(self.w_in[e], tokens.unsqueeze(-1)).squeeze(-1))
+        down = torch.bmm(self.w_out[e], up.unsqueeze(-1)).squeeze(-1) + self.b_out[e]
+        mixed = (down * weights.reshape(-1, 1)).view(-1, self.top_k, d).sum(1)
+        return self.head(mixed.view(x.shape) + x)
+
+
 class PerHeadNet(nn.Module):
     """Per-head weights that share a batch dim with the activations: einsum("bhsd,hde->bhse") is a batched matmul
     over the heads whose weight gradient contracts each head's sample rows (a "bmm" contribution); also with one

@@ -347,3 +347,25 @@ class HeadStatistics(nn.Module):
 def test_a_batched_matmul_summing_samples_in_the_forward_is_refused():
     expect_refusal(lambda: run(HeadStatistics(), lambda m, x: m(x).pow(2).sum(), (torch.randn(4, 2, 3, 4),)),
                    "aten.bmm.default", "HeadStatistics", "mixes samples")
+
+
+class SampleScatter(nn.Module):
+    """Rows scattered to other rows along the sample dim (samples reversed): each output row is another
+    sample's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        rows = torch.arange(h.shape[0] - 1, -1, -1, device=h.device)[:, None].expand_as(h)
+        return torch.zeros_like(h).scatter(0, rows, h)
+
+
+def test_a_scatter_along_the_sample_dim_is_refused():
+    """scatter (topk's backward, MoE routing) keeps samples apart along any other dim (cases.routed_experts);
+    along the sample dim it moves rows between samples."""
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(SampleScatter(), lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "aten.scatter", "scatters along the sample dim", "SampleScatter")

@@ -9,7 +9,7 @@ which the input's gradient keeps.
 
 Inductor's decompositions turn several of these ops into others that no other family covers, which live
 here too: the low-memory max-pool prims (max pooling's forward), ``scatter_add`` (max pooling's backward
-over flattened planes), ``_unsafe_masked_index`` (reflection padding's backward), ``copy`` and
+over flattened planes; ``scatter`` and ``scatter_reduce`` alike: topk's backward), ``_unsafe_masked_index`` (reflection padding's backward), ``copy`` and
 ``new_empty_strided`` (circular padding) and ``unfold`` (``Tensor.unfold``).
 
 A rule is ``(analysis, node) -> state`` (``passes.batch_state``).
@@ -76,30 +76,36 @@ def _low_memory_max_pool(an, node):
     return _for_each_output(node, _leading_layout(an, node, len(node.args[1])))
 
 
-def _scatter_add(an, node):
-    """self.scatter_add(dim, index, src): adds src's entries into self at index along dim, every other dim
-    in place (max pooling's backward scatters each plane's gradient into that plane, over [N*C, H*W]).
-    Per-sample rows stay apart unless dim is the sample dim, provided every operand covers all samples."""
-    base, k, index, src = node.args[:4]
+def _scatter(an, node):
+    """self.scatter_add(dim, index, src), self.scatter(dim, index, src or a value), self.scatter_reduce(...):
+    src's entries put into self at index along dim, every other dim in place (max pooling's backward scatters
+    each plane's gradient into that plane, over [N*C, H*W]; topk's backward puts a token's gradient back at its
+    chosen positions, as in an MoE router). Per-sample rows stay apart unless dim is the sample dim, provided
+    every operand covers all samples."""
+    base, k, index = node.args[:3]
+    src = node.args[3] if len(node.args) > 3 else node.kwargs.get("src")
     k = norm_dim(k, ndim(base))
+    name = node.target.__name__.split(".")[0]
     found = None
     for a in (base, index, src):
+        if not isinstance(a, fx.Node):  # scatter's scalar value
+            continue
         s = an.st(a)
         if not isinstance(s, Batched):
             continue
         if s.dim is None:
             return SINGLE
         if s.dim == k:
-            return fail_layout(an, node, "scatter_add scatters along the sample dim")
+            return fail_layout(an, node, f"{name} scatters along the sample dim")
         if found is not None and not _same_layout(found, s):
-            return fail_layout(an, node, "scatter_add combines operands with different sample layouts")
+            return fail_layout(an, node, f"{name} combines operands with different sample layouts")
         found = s
     if found is None:
         return SINGLE
     size = shape_of(base)[found.dim]
-    if not all(known(shape_of(a)[found.dim] == size) for a in (index, src)):
+    if not all(known(shape_of(a)[found.dim] == size) for a in (index, src) if isinstance(a, fx.Node)):
         # a shorter index or src along the sample dim would shift which rows belong to which sample
-        return fail_layout(an, node, "scatter_add with operands of different lengths along the sample dim")
+        return fail_layout(an, node, f"{name} with operands of different lengths along the sample dim")
     return found
 
 
@@ -253,7 +259,8 @@ for _k, _packets in _BY_SPATIAL_DIMS.items():
         RULES[_p] = _spatial(_k)
 RULES[prims._low_memory_max_pool_with_offsets] = _low_memory_max_pool
 RULES[prims._low_memory_max_pool_offsets_to_indices] = _low_memory_max_pool
-RULES[aten.scatter_add] = _scatter_add
+for p in (aten.scatter_add, aten.scatter, aten.scatter_reduce):
+    RULES[p] = _scatter
 RULES[aten._unsafe_masked_index] = _masked_index
 RULES[aten.copy] = _copy
 for _p in (aten.new_empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full):

@@ -121,7 +121,7 @@ def _hooks():
 
 # -- compiles ahead of the first launch ---------------------------------------------------------------------------
 # Triton compiles a kernel at its first launch, one specialisation at a time, while the step waits: the Gram norm
-# kernel specialises on its operands' widths, so a GPT-2 step's first backward compiled five of them in a row
+# kernel specialises on its operands' widths, so a GPT-2 step's first backward compiled four of them in a row
 # (about 2 s each for fp32 on a CPU core), after Inductor's compile of the same graphs. ``precompile`` starts
 # those compiles in threads as soon as the graphs are known (dpcompile.precompile: from the partitioned graphs,
 # opt-in), beside Inductor's compile; Triton's compile spends most of its time outside the GIL (MLIR passes,

@@ -2,7 +2,7 @@
 
 dpcompile's kernels (dpcompile.gram_sq_norms, conv_sq_norms, add_randn, randn, zero_rows) are compiled by Triton
 at their first launch, during the step's first run, one specialisation after another: the Gram norm kernel has
-one per layer width (a GPT-2 step: five, two seconds each for fp32 on a CPU core), after Inductor has compiled
+one per layer width (a GPT-2 step: four, two seconds each for fp32 on a CPU core), after Inductor has compiled
 the graphs. Once the partitioner has made the forward and backward graphs, each dpcompile op node's operands
 are known (their fake values): this runs the op's own launch code on fake tensors of the same shapes, strides
 and dtypes with ``kernel_plans.recording()``, which gives the launches it will make, and hands them to
@@ -92,6 +92,23 @@ def recorded_launches(gms: list[fx.GraphModule], failed: list | None = None) -> 
                 continue
             launches += calls
     return launches
+
+
+def op_graph(target, *operands: torch.Tensor, extra: tuple = (), device=None) -> fx.GraphModule:
+    """A graph of one call ``target(*operands, *extra)`` whose placeholders' values are fake tensors like the
+    operands (same sizes, strides and dtype; on ``device``, or the operands' own): what ``recorded_launches``
+    reads, for benchmarks and tests."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = fx.Graph()
+    nodes = []
+    with FakeTensorMode():
+        for i, t in enumerate(operands):
+            n = graph.placeholder(f"x{i}")
+            n.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
+            nodes.append(n)
+    graph.output(graph.call_function(target, (*nodes, *extra)))
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def precompile_kernels(gms: list[fx.GraphModule]) -> dict | None:

@@ -254,22 +254,13 @@ def test_cuda_eager_run_of_a_dp_trained_model_raises():
 def test_cuda_precompiled_kernel_is_the_one_launched():
     """A kernel compiled ahead from a graph's fake values (dpcompile.precompile) is the specialisation the real
     launch asks for: Triton's cache of the kernel grows at the compile, not again at the launch."""
-    import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from dpcompile import gram_sq_norms, kernel_plans, precompile, triton_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     # widths no other test uses: a specialisation not compiled yet in this process
     a = torch.randn(3, 45, 40, device="cuda", generator=gen)
     g = torch.randn(3, 45, 88, device="cuda", generator=gen)
-    graph = fx.Graph()
-    nodes = [graph.placeholder("a"), graph.placeholder("g")]
-    with FakeTensorMode():
-        for n, t in zip(nodes, (a, g)):
-            n.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    graph.output(graph.call_function(torch.ops.dpcompile.gram_sq_norms.default, tuple(nodes)))
-    launches = precompile.recorded_launches([fx.GraphModule(torch.nn.Module(), graph)])
+    launches = precompile.recorded_launches([precompile.op_graph(torch.ops.dpcompile.gram_sq_norms.default, a, g)])
     cache = triton_kernels.gram_sq_norms_kernel.device_caches[torch.cuda.current_device()][0]
     before = len(cache)
     assert kernel_plans.precompile(launches) == 1

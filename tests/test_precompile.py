@@ -17,16 +17,7 @@ ops = torch.ops.dpcompile
 def _graph(target, *operands, extra=()):
     """A graph of one call: target(placeholders..., *extra), each placeholder's meta value a fake CUDA tensor
     like the CPU tensor given."""
-    g = fx.Graph()
-    mode = FakeTensorMode()
-    nodes = []
-    for i, t in enumerate(operands):
-        n = g.placeholder(f"x{i}")
-        with mode:
-            n.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
-        nodes.append(n)
-    g.output(g.call_function(target, (*nodes, *extra)))
-    return fx.GraphModule(torch.nn.Module(), g)
+    return precompile.op_graph(target, *operands, extra=extra, device="cuda")
 
 
 def _describe(launches):
@@ -94,12 +85,8 @@ def test_noise_launch_is_one_per_pair_of_dtypes():
 
 
 def test_ops_on_other_devices_make_no_launches():
-    g = fx.Graph()
-    a, b = g.placeholder("a"), g.placeholder("b")
-    with FakeTensorMode():
-        a.meta["val"], b.meta["val"] = torch.empty(2, 4, 3), torch.empty(2, 4, 5)
-    g.output(g.call_function(ops.gram_sq_norms.default, (a, b)))
-    assert precompile.recorded_launches([fx.GraphModule(torch.nn.Module(), g)]) == []
+    gm = precompile.op_graph(ops.gram_sq_norms.default, torch.empty(2, 4, 3), torch.empty(2, 4, 5))
+    assert precompile.recorded_launches([gm]) == []
 
 
 def test_a_launch_code_that_raises_is_reported_not_raised():

@@ -9,8 +9,9 @@ which the input's gradient keeps.
 
 Inductor's decompositions turn several of these ops into others that no other family covers, which live
 here too: the low-memory max-pool prims (max pooling's forward), ``scatter_add`` (max pooling's backward
-over flattened planes; ``scatter`` and ``scatter_reduce`` alike: topk's backward), ``_unsafe_masked_index`` (reflection padding's backward), ``copy`` and
-``new_empty_strided`` (circular padding) and ``unfold`` (``Tensor.unfold``).
+over flattened planes; ``scatter`` and ``scatter_reduce`` alike: topk's backward), ``_unsafe_masked_index``
+(reflection padding's backward), ``copy`` and ``new_empty_strided`` (circular padding) and ``unfold``
+(``Tensor.unfold``).
 
 A rule is ``(analysis, node) -> state`` (``passes.batch_state``).
 """
@@ -259,8 +260,8 @@ for _k, _packets in _BY_SPATIAL_DIMS.items():
         RULES[_p] = _spatial(_k)
 RULES[prims._low_memory_max_pool_with_offsets] = _low_memory_max_pool
 RULES[prims._low_memory_max_pool_offsets_to_indices] = _low_memory_max_pool
-for p in (aten.scatter_add, aten.scatter, aten.scatter_reduce):
-    RULES[p] = _scatter
+for _p in (aten.scatter_add, aten.scatter, aten.scatter_reduce):
+    RULES[_p] = _scatter
 RULES[aten._unsafe_masked_index] = _masked_index
 RULES[aten.copy] = _copy
 for _p in (aten.new_empty_strided, aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full):

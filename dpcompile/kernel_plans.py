@@ -57,7 +57,7 @@ def launch(kernel: Any, grid: tuple, args: tuple, consts: dict) -> None:
     Triton's lookup of the compiled kernel done once per specialisation of the arguments. CUDA tensors; under
     TRITON_INTERPRET=1, or for an object that is not a compiled Triton kernel (a test's recorder), the plain call.
     Inside ``recording()`` the launch is recorded, not made."""
-    calls = getattr(_RECORDING, "calls", None)
+    calls = _RECORDING.calls
     if calls is not None:
         calls.append((kernel, grid, args, consts))
         return
@@ -126,7 +126,11 @@ def _hooks():
 # those compiles in threads as soon as the graphs are known (dpcompile.precompile: from the partitioned graphs,
 # opt-in), beside Inductor's compile; Triton's compile spends most of its time outside the GIL (MLIR passes,
 # ptxas: four Gram kernels in 4.3 s one after another, 2.7 s in threads on two CPU cores).
-_RECORDING = threading.local()
+class _Recording(threading.local):
+    calls: list | None = None  # a class default: launch() reads it every launch, and a missed getattr costs more
+
+
+_RECORDING = _Recording()
 _PENDING: dict = {}  # launch key -> Future of its compile
 _POOL: list = []
 
@@ -135,7 +139,7 @@ _POOL: list = []
 def recording():
     """``launch`` records ``(kernel, grid, args, consts)`` into the yielded list instead of launching (this
     thread only): the launches a call of a kernel module would make, with fake tensors as its operands."""
-    previous = getattr(_RECORDING, "calls", None)
+    previous = _RECORDING.calls
     _RECORDING.calls = calls = []
     try:
         yield calls
@@ -144,7 +148,7 @@ def recording():
 
 
 def is_recording() -> bool:
-    return getattr(_RECORDING, "calls", None) is not None
+    return _RECORDING.calls is not None
 
 
 def _aligned_spec(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """Host time per launch of a kernel compiled ahead (dpcompile.precompile) against one compiled at its first launch.
 
-With DPCOMPILE_PRECOMPILE=1 the GPT-2 bf16 bk step took 11 ms more wall clock at the same GPU time (BENCHMARKS.md,
-2026-11-28): this isolates the launch path. Two Gram norm kernels of different widths: the first compiled ahead
+One H200 measurement once had the GPT-2 bf16 bk step 11 ms slower with the precompile at the same GPU time; it
+did not repeat (BENCHMARKS.md, twenty-seventh: that step's wall clock spreads over 22-32 ms between processes on
+that machine). This isolates the launch path. Two Gram norm kernels of different widths: the first compiled ahead
 from a graph's fake values (kernel_plans.precompile, in a background thread), the second at its first launch.
 Then, alternating, --launches launches of each, timed on the host (no synchronisation inside the loop), and the
 same loop of the second kernel before anything was precompiled, to see whether the precompile's threads alone

@@ -124,7 +124,7 @@ def _hooks():
 # kernel specialises on its operands' widths, so a GPT-2 step's first backward compiled four of them in a row
 # (about 2 s each for fp32 on a CPU core), after Inductor's compile of the same graphs. ``precompile`` starts
 # those compiles in threads as soon as the graphs are known (dpcompile.precompile: from the partitioned graphs,
-# opt-in), beside Inductor's compile; Triton's compile spends most of its time outside the GIL (MLIR passes,
+# on by default), beside Inductor's compile; Triton's compile spends most of its time outside the GIL (MLIR passes,
 # ptxas: four Gram kernels in 4.3 s one after another, 2.7 s in threads on two CPU cores).
 class _Recording(threading.local):
     calls: list | None = None  # a class default: launch() reads it every launch, and a missed getattr costs more

@@ -9,10 +9,10 @@ and dtypes with ``kernel_plans.recording()``, which gives the launches it will m
 ``kernel_plans.precompile``, which compiles them in threads while Inductor compiles the graphs. A launch whose
 specialisation was guessed wrong (an unbacked size, a misaligned operand) compiles at its first launch as before.
 
-Off unless ``DPCOMPILE_PRECOMPILE=1``. Measured on one H200 (BENCHMARKS.md, 2026-11-28): it cuts a cold GPT-2
-bk compile + warm-up from 46 to 31 s (fp32) and 56 to 46 s (bf16), but the bf16 step, which is bound by host
-time, then took 36.4 instead of 25.2 ms of wall clock at the same GPU time (20.5 ms), for a reason not found yet.
-It stays opt-in until that is understood.
+On by default; ``DPCOMPILE_PRECOMPILE=0`` turns it off. Measured on one H200 (BENCHMARKS.md): it cuts a cold
+GPT-2 bk compile + warm-up from 46 to 31 s (fp32) and from 48 to 32 s (bf16). A first measurement of the
+host-bound bf16 step with it (36.4 instead of 25.2 ms of wall clock at the same GPU time) did not repeat: the
+next one, with host profiles, had the same launches on the same paths and 22.7 against 21.6 ms.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _impls() -> dict:
 
 
 def enabled() -> bool:
-    if os.environ.get("DPCOMPILE_PRECOMPILE", "0") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("DPCOMPILE_PRECOMPILE", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.is_available()
 
@@ -113,7 +113,7 @@ def op_graph(target, *operands: torch.Tensor, extra: tuple = (), device=None) ->
 
 def precompile_kernels(gms: list[fx.GraphModule]) -> dict | None:
     """Starts compiling the kernels the graphs will launch (kernel_plans.precompile). Returns None where that is
-    off (DPCOMPILE_PRECOMPILE not 1, no CUDA, the interpreter), else {"started": compiles started (none for a
+    off (DPCOMPILE_PRECOMPILE=0, no CUDA, the interpreter), else {"started": compiles started (none for a
     specialisation compiled or pending already), "failed": ops whose launches could not be made out}."""
     if not enabled():
         return None

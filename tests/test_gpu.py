@@ -39,7 +39,8 @@ def _clipped_on_cuda(model, loss, inputs, targets, **options):
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
-@pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama", "conv_kinds"])
+@pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama", "conv_kinds",
+                                  "routed_experts"])
 def test_cuda_matches_reference(case, schedule):
     c = CASES[case]
     inputs, targets = c.data(4)

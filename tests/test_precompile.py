@@ -140,10 +140,12 @@ def test_launch_waits_for_the_background_compile_of_its_specialisation(fresh):
     assert k.events[-1] == ("launch", "compiles itself")
 
 
-def test_precompile_is_opt_in_and_needs_cuda(monkeypatch):
+def test_precompile_is_on_by_default_and_needs_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("DPCOMPILE_PRECOMPILE", raising=False)
+    assert precompile.enabled()
+    monkeypatch.setenv("DPCOMPILE_PRECOMPILE", "0")
     assert not precompile.enabled()
     monkeypatch.setenv("DPCOMPILE_PRECOMPILE", "1")
     assert precompile.enabled()
@@ -154,7 +156,7 @@ def test_precompile_is_opt_in_and_needs_cuda(monkeypatch):
     assert not precompile.enabled() and precompile.precompile_kernels([]) is None
 
 
-def test_an_opted_in_compile_records_what_it_started(monkeypatch):
+def test_a_precompiling_compile_records_what_it_started(monkeypatch):
     """With precompile on, a dp graph's summary says how many compiles it started and which ops' launches it
     could not make out (on CPU: none of either, its ops run on CPU)."""
     import dpcompile

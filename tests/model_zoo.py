@@ -190,6 +190,11 @@ MODELS = {
     "mixtral_bmm": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
                       max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
                       experts_implementation="batched_mm"),
+    # and as grouped matmuls over the batch's tokens sorted by expert (torch._grouped_mm: fp32, bf16 and fp16
+    # only, so its oracle runs on mixtral_bmm with the same weights: ORACLE_TWIN); run with --dtype float32
+    "mixtral_grouped": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
+                          max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
+                          experts_implementation="grouped_mm"),
     "deberta_v2": hf("DebertaV2Config", "DebertaV2ForSequenceClassification", "cls", max_position_embeddings=16,
                      relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"], **BLOCK, **NO_DROP),
     "mobilebert": hf("MobileBertConfig", "MobileBertForSequenceClassification", "cls", hidden_size=16,
@@ -246,9 +251,27 @@ MODELS = {
 }
 
 
-def _oracle_for(model, loss, inputs, targets):
+# models whose oracle runs on another model of the zoo with the same parameters and the same function, written
+# with ops float64 has (the oracle's precision)
+ORACLE_TWIN = {"mixtral_grouped": "mixtral_bmm"}
+
+
+def _twin_oracle(name: str, oracle):
+    """``oracle`` run on ORACLE_TWIN[name] holding the given model's parameters."""
+    def run(model, *args, **kwargs):
+        twin = MODELS[ORACLE_TWIN[name]][0]().train()
+        twin.load_state_dict(model.state_dict())
+        return oracle(twin, *args, **kwargs)
+
+    return run
+
+
+def _oracle_for(model, loss, inputs, targets, name: str | None = None):
     """(oracle, unclipped per-sample norms): reference.dp_reference (vmap(grad)) where vmap can run the model,
-    else the same with one plain backward per sample (loop=True)."""
+    else the same with one plain backward per sample (loop=True); on the model's ORACLE_TWIN where it has one."""
+    if name in ORACLE_TWIN:
+        oracle = _twin_oracle(name, reference.dp_reference)
+        return oracle, oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)[1]
     try:
         _, norms = reference.dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)
         return reference.dp_reference, norms
@@ -257,9 +280,9 @@ def _oracle_for(model, loss, inputs, targets):
         return oracle, oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)[1]
 
 
-def _oracle(model, loss, inputs, targets):
+def _oracle(model, loss, inputs, targets, name: str | None = None):
     """(clipped float64 gradients, C): C the median per-sample norm, so that clipping is active."""
-    oracle, norms = _oracle_for(model, loss, inputs, targets)
+    oracle, norms = _oracle_for(model, loss, inputs, targets, name)
     C = float(norms.median())
     ref, _ = oracle(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=B + 1)
     return ref, C
@@ -290,7 +313,7 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[st
     except ImportError as exc:
         return "SKIP", f"{type(exc).__name__}: {exc}"
     torch._dynamo.reset()
-    helpers.dp_reference, _ = _oracle_for(model, loss, inputs, targets)  # what check_against_reference calls
+    helpers.dp_reference, _ = _oracle_for(model, loss, inputs, targets, name)  # what check_against_reference calls
     try:
         check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler)
     except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)
@@ -322,7 +345,7 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
                             timeout=datetime.timedelta(seconds=300))
     try:
         model, loss, inputs, targets = _build(name, getattr(torch, dtype))
-        ref, C = _oracle(model, loss, inputs, targets)
+        ref, C = _oracle(model, loss, inputs, targets, name)
         shard_blocks(model, init_device_mesh("cpu", (world,)))
         # uneven: rank 0 one sample more than an even share, the last rank what is left (maybe nothing)
         cuts = [min(B, B // world + 1) if r == 0 else B // world for r in range(world - 1)]

@@ -369,3 +369,27 @@ def test_a_scatter_along_the_sample_dim_is_refused():
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     expect_refusal(lambda: run(SampleScatter(), lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
                    "aten.scatter", "scatters along the sample dim", "SampleScatter")
+
+
+class SortedExperts(nn.Module):
+    """Routed experts in the grouped form (Hugging Face's ``experts_implementation="grouped_mm"``): the tokens of
+    the whole batch sorted by expert, each applied to its expert's weight, then put back in order."""
+
+    def __init__(self, d: int = 4, experts: int = 3):
+        super().__init__()
+        self.router = nn.Linear(d, experts)
+        self.w = nn.Parameter(torch.randn(experts, d, d) / d)
+
+    def forward(self, x):  # [B, T, d]
+        tokens = x.flatten(0, 1)
+        expert = self.router(tokens).argmax(-1)
+        order = expert.argsort()
+        out = torch.bmm(tokens[order][:, None], self.w[expert[order]])[:, 0]
+        return (out[order.argsort()] * self.router(tokens).softmax(-1).amax(-1, keepdim=True)).view_as(x)
+
+
+def test_experts_on_tokens_sorted_across_the_batch_are_refused():
+    """The sort moves tokens between samples' rows: refused at the sort (tests/model_zoo.py mixtral_grouped)."""
+    x = torch.randn(4, 3, 4)
+    expect_refusal(lambda: run(SortedExperts(), lambda m, x: m(x).pow(2).sum((1, 2)).mean(), (x,)),
+                   "aten.sort", "mixes samples", "SortedExperts")

@@ -89,6 +89,16 @@ def recomputable(node: fx.Node) -> bool:
             and (torch.Tag.pointwise in t.tags or bool(t.is_view)))
 
 
+def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a joint graph that read a tangent, directly or not: those the partitioner puts in the
+    backward."""
+    dep: set[fx.Node] = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
 def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 

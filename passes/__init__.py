@@ -24,6 +24,7 @@ from .empty_batch import empty_batch_pass
 from .fsdp_reshard import fsdp_reshard_pass
 from .inplace_row_masks import inplace_row_masks_pass
 from .loss_reduction import loss_reduction_pass
+from .mutated_input_reads import mutated_input_reads_pass
 from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
@@ -58,6 +59,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("fsdp_reshard", fsdp_reshard_pass, optional=True),
     Pass("collective_order", collective_order_pass),
     Pass("comm_overlap", comm_overlap_pass, optional=True),
+    # last: reads of a mutated input saved, whatever the passes above placed where (pytorch/pytorch#197039)
+    Pass("mutated_input_reads", mutated_input_reads_pass),
 )
 
 # on the backward graph, after the partition (which decides what the backward makes itself)

@@ -24,6 +24,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from dpcompile.fx_utils import tangent_dependent
+
 from .context import DPPassContext
 
 aten = torch.ops.aten
@@ -42,20 +44,12 @@ def _in_chain(n: fx.Node) -> bool:
     return n.target in _GATHER_CHAIN or bool(getattr(n.target, "is_view", False))
 
 
-def _tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
-    dep: set[fx.Node] = set()
-    for n in graph.nodes:
-        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in dep for a in n.all_input_nodes):
-            dep.add(n)
-    return dep
-
-
 def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Marks the parameter gather chains of reshard_after_forward parameters for recompute, and the forward
     ops that read them as saved."""
     # backward: what reads the tangent, and what dpcompile placed in the backward without reading it (a
     # forward value the ghost second backward recomputes): those read a gathered parameter in the backward
-    backward = (_tangent_dependent(gm.graph) | {n for n in gm.graph.nodes
+    backward = (tangent_dependent(gm.graph) | {n for n in gm.graph.nodes
                                                 if n.meta.get("partitioner_tag") == "must_be_in_backward"}) if ctx.reshard_primals else set()
     for primal in ctx.reshard_primals:
         frontier = list(primal.users)

@@ -99,6 +99,9 @@ SMALL_LAYER_CASES = {
     # a top-2 routed mixture of experts: topk routing, expert weights gathered per token (an index_put gradient)
     "routed_experts": Case(lambda: M.RoutedExperts(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                            M.mse),
+    # buffers the forward updates in place, read by the weight's gradient (spectral_norm's power iteration)
+    "spectral_norm": Case(lambda: M.SpectralNormNet(), lambda B: ((torch.randn(B, 5, 4),), (torch.randn(B, 5, 3),)),
+                          M.mse),
     # every convolution form, GroupNorm, InstanceNorm, LayerNorm over channels (tests/test_convolution.py
     # has each form alone, with both per-sample norm forms)
     "conv_kinds": Case(lambda: M.ConvNet(), lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randn(B, 3),)), M.mse),
@@ -226,8 +229,13 @@ def finite_median(norms: torch.Tensor) -> float:
 
 
 # what the sharded tests run: the small layer kinds side by side (one compile), then every model
-SHARDED_CASES = {"layer_kinds": side_by_side(SMALL_LAYER_CASES),
-                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES}, "vit": VIT}
+# (a model whose forward updates buffers runs alone: the matrix's logical batch of two micro-batches, which
+# would see them updated twice, is then one batch)
+STATEFUL_CASES = ("spectral_norm",)
+SHARDED_CASES = {"layer_kinds": side_by_side({n: c for n, c in SMALL_LAYER_CASES.items()
+                                              if n not in STATEFUL_CASES}),
+                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES or n in STATEFUL_CASES},
+                 "vit": VIT}
 # cases the sharded matrix runs once, op by op (compiler="eager"), and why not through Inductor
 SHARDED_EAGER_ONLY = {
     "vision_blocks": "CI time (its Inductor compile on 2 ranks cost about 100 s of CI); its ops through Inductor "
@@ -252,6 +260,8 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls
         assert sum(v for k, v in counters.items() if k.startswith("norm_bmm_")) >= 3, counters
+    if name == "spectral_norm":  # the reads of the updated buffers saved, not recomputed
+        assert counters.get("mutated_input_reads_saved", 0) >= 1, counters
     if name == "routed_experts":  # the experts' weights and biases gathered per token: index_put gradients
         assert counters.get("norm_index_put_embedding_ghost", 0) >= 3, counters
     if name in ("gpt_tied", "hf_gpt2"):

@@ -224,6 +224,12 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
             setattr(m, k, v)
 
 
+def _buffers(model) -> dict:
+    """Every buffer's values, whole (a DTensor's gathered)."""
+    return {n: (b.full_tensor() if hasattr(b, "full_tensor") else b).detach().clone()
+            for n, b in model.named_buffers()}
+
+
 def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
     start = time.time()
 
@@ -242,12 +248,18 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
     known = len(backend.compiled)  # the same options share one backend
     clipped = unclipped = 0
     worst = 0.0
+    stateful = False  # a step updated buffers in place (cases.spectral_norm): the oracle starts from them
     for sizes, (inputs, targets) in zip(SHARDED_STEPS, batches):
         lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
         local = tuple(t[lo:hi].clone() for t in inputs), tuple(t[lo:hi].clone() for t in targets)
         model.zero_grad(set_to_none=True)
-        # the (5, 3) step as a logical batch of 2 micro-batches per rank (dpcompile.accumulate)
-        n_micro = 2 if sizes == (5, 3) else 1
+        before = _buffers(model)
+        with torch.no_grad():
+            for name, b in ref_model.named_buffers():
+                b.copy_(before[name])
+        # the (5, 3) step as a logical batch of 2 micro-batches per rank (dpcompile.accumulate); not for a
+        # model whose forward updates its buffers, whose second micro-batch would see them updated once more
+        n_micro = 2 if sizes == (5, 3) and not stateful else 1
         cuts = [hi - lo] if n_micro == 1 else [(hi - lo + 1) // 2, (hi - lo) // 2]
         at = 0
         for j, cut in enumerate(cuts):
@@ -255,6 +267,7 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
             with dpcompile.accumulate(enabled=j < n_micro - 1):
                 compiled(*part)
             at += cut
+        stateful = stateful or any(not torch.equal(before[n], b) for n, b in _buffers(model).items())
         # cases.with_bad_samples: a sample with a non-finite float input or weight is dropped, counted where
         # it lives
         bad = cases.bad_samples(inputs, targets)

@@ -46,6 +46,27 @@ class EinsumNet(nn.Module):
         return torch.einsum("ibnd,hnd->ibh", h, self.w_out).transpose(0, 1)
 
 
+class SpectralNormNet(nn.Module):
+    """A Linear under torch's spectral_norm parametrization: in training mode each forward updates its power
+    iteration's buffers in place, and the weight's gradient reads the vectors (u, v) it made. The min-cut
+    partitioner recomputed them in the backward from the updated buffers at this shape (a 6 x 4 weight; 8 x 6 it
+    saved): passes.mutated_input_reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 6))
+        self.head = nn.Linear(6, 3)
+        # vectors far from the power iteration's fixed point (which its construction approached), so that the
+        # step's iteration moves them: reading the updated ones instead would change the gradient visibly
+        sn = self.fc.parametrizations.weight[0]
+        with torch.no_grad():
+            sn._u.copy_(F.normalize(torch.randn_like(sn._u), dim=0))
+            sn._v.copy_(F.normalize(torch.randn_like(sn._v), dim=0))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)))
+
+
 class RoutedExperts(nn.Module):
     """A top-k routed mixture of experts in the form Hugging Face's MoE models take with
     experts_implementation="batched_mm" (Mixtral, Qwen-MoE, ...): a router's softmax picks each token's top_k

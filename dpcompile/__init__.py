@@ -93,7 +93,10 @@ def private_step(fn: Callable | None = None, *, mode: str | None = None, **optio
             # past dynamo's recompile limit the step would run eagerly: no DP (the plain form gets the same
             # setting process-wide once a DP graph compiles: eager_guard)
             limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
+            # allow_rnn: nn.LSTM, nn.GRU and nn.RNN traced into the graph (dynamo runs them eagerly otherwise,
+            # and the step is refused as split: backend.refuse_gradients_passed_out)
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit,
+                                            allow_rnn=True):
                 out = compiled(*args, **kwargs)
             if torch.is_grad_enabled() and backend.calls == before:
                 raise DPCompileError(

@@ -27,7 +27,7 @@ from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, 
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
-from dpcompile.eager_guard import refuse_recompile_limit_fallback, sentinel
+from dpcompile.eager_guard import in_non_private, refuse_recompile_limit_fallback, sentinel
 from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import BACKWARD_PASSES, PASSES, DPPassContext, ParamInfo
@@ -36,7 +36,7 @@ from dpcompile.passes.per_sample_norms import NORM_ALL_REDUCE_META
 from dpcompile.precompile import precompile_kernels
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
-from dpcompile.step_split import Split, describe_split, split_error_text
+from dpcompile.step_split import GENERIC_ADVICE, Split, describe_split, split_error_text
 from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes, dp_shard_index,
                                        gradient_placements, is_tp_dtensor, placement_kind, tp_layout, tp_mesh,
                                        tp_placement)
@@ -206,6 +206,64 @@ def refuse_cpp_wrapper_with_opaque_inputs(cpp_wrapper: bool, inputs: list[GraphI
             f"cpp_wrapper=True cannot compile this step: torch {torch.__version__}'s Inductor C++ wrapper does not "
             f"take the graph inputs {', '.join(opaque)} (a sharded step's device meshes). Drop cpp_wrapper (and "
             f"Inductor's global cpp_wrapper) for sharded steps; cudagraphs=True also removes the per-kernel host cost.")
+
+
+# layers dynamo runs eagerly, compiling only what follows them (the loss), found by their autograd nodes in
+# what made the graph's inputs; and how to have them traced
+_EAGER_LAYER_ADVICE = {
+    ("rnn", "lstm", "gru"): "dynamo does not trace nn.LSTM, nn.GRU or nn.RNN unless "
+                            "torch._dynamo.config.allow_rnn = True: set it before the first step "
+                            "(@dpcompile.private_step sets it for its own steps)",
+}
+
+
+def _autograd_node_names(t: torch.Tensor, limit: int = 4096) -> set[str]:
+    """The names of the autograd nodes that made t (breadth first, at most ``limit``)."""
+    seen, names, todo = set(), set(), [t.grad_fn]
+    while todo and len(seen) < limit:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def refuse_gradients_passed_out(gm: fx.GraphModule, inputs: list[GraphInput], example_inputs) -> None:
+    """A graph without trainable parameters is compiled as it is (a step's tail after ``loss.backward()``,
+    a metric): unless it takes inputs that require grad and makes outputs that do. Its backward then carries
+    gradients on to whatever made those inputs, a model that dynamo ran eagerly (a graph break it gave up on,
+    an RNN it does not trace), and they reach the parameters unclipped and without noise: no dp graph ever
+    saw them, so nothing else would notice (eager_guard watches the parameters of models a dp graph trains)."""
+    if not torch.is_grad_enabled() or in_non_private():
+        return
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = [a.meta.get("example_value") for a in out.all_input_nodes]
+    if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in outs):
+        return
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    carrying = [(gi.name, node) for gi, ex, node in zip(inputs, example_inputs, placeholders)
+                if isinstance(ex, torch.Tensor) and ex.requires_grad and gi.kind != "param"]
+    if not carrying:
+        return
+    split = describe_split(gm)
+    made_by: set[str] = set()
+    for _, node in carrying:
+        real = getattr(node.meta.get("grapharg"), "example", None)
+        if isinstance(real, torch.Tensor) and real.grad_fn is not None:
+            made_by |= {n.lower() for n in _autograd_node_names(real)}
+    advice = next((a for keys, a in _EAGER_LAYER_ADVICE.items() if any(k in n for k in keys for n in made_by)),
+                  None)
+    found = (f"no trainable parameter, but its input(s) {', '.join(n for n, _ in carrying)} require grad and its "
+             f"output does: its backward would carry gradients on to the parameters that made them, which dynamo "
+             f"ran outside any graph, unclipped and without noise")
+    if split is None:
+        split = Split("the parameters' computation was not traced into this graph (dynamo ran it eagerly)",
+                      advice or GENERIC_ADVICE)
+    elif advice:
+        split = Split(split.why, advice)
+    raise DPCompileError(split_error_text(split, found))
 
 
 def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split: Split | None) -> None:
@@ -634,6 +692,7 @@ class DPBackend:
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
+            refuse_gradients_passed_out(gm, inputs, example_inputs)
             return compile_fx(gm, example_inputs, config_patches=codegen, **inner)
 
         split = describe_split(gm)

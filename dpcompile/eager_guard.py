@@ -46,6 +46,11 @@ _lock = threading.Lock()
 _guards: WeakIdKeyDictionary = WeakIdKeyDictionary()  # sentinel parameter -> its Sentinel
 
 
+def in_non_private() -> bool:
+    """Inside ``with dpcompile.non_private():``."""
+    return _state.depth > 0
+
+
 @contextlib.contextmanager
 def non_private():
     """Backward passes inside run without dpcompile's check that a DP graph produced the gradients: for a

@@ -28,7 +28,7 @@ _FSDP2_ADVICE = (
 )
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _RESUME = "torch_dynamo_resume_in_"  # the code name dynamo gives the rest of a frame after a graph break
-_GENERIC_ADVICE = (
+GENERIC_ADVICE = (
     "remove the graph break (TORCH_LOGS=graph_breaks lists every break; torch.compile(..., fullgraph=True) "
     "raises at the first), or move the code that breaks out of the step"
 )
@@ -85,7 +85,7 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         return Split(what, _FSDP2_ADVICE)
     text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
     advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
-    return Split(what, advice or _GENERIC_ADVICE)
+    return Split(what, advice or GENERIC_ADVICE)
 
 
 def split_error_text(split: Split | None, found: str) -> str:

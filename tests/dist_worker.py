@@ -438,6 +438,15 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["scalar_parameter"] = "no error"
     except ValueError as e:
         results["scalar_parameter"] = str(e)
+    # an RNN (its list of weights bypasses the gathering): refused by name before anything is sharded
+    rnn = M.RecurrentNet()
+    try:
+        dpcompile.fully_shard(rnn, mesh=init_device_mesh("cpu", (world,)))
+        results["recurrent"] = "no error"
+    except ValueError as e:
+        results["recurrent"] = str(e)
+    results["recurrent_untouched"] = not any(isinstance(p, torch.distributed.tensor.DTensor)
+                                             for p in rnn.parameters())
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

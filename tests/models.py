@@ -46,6 +46,43 @@ class EinsumNet(nn.Module):
         return torch.einsum("ibnd,hnd->ibh", h, self.w_out).transpose(0, 1)
 
 
+class RecurrentNet(nn.Module):
+    """nn.LSTM (bidirectional, batch-first), nn.GRU (sequence-first) and nn.RNN (ReLU): each weight used at every
+    time step, so its gradient sums over the sequence. Dynamo traces them only with
+    torch._dynamo.config.allow_rnn (cases.py sets it; private_step sets it for its steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.lstm = nn.LSTM(6, 5, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(10, 4)
+        self.rnn = nn.RNN(4, 4, nonlinearity="relu", batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # [B, T] token ids
+        h, _ = self.lstm(self.emb(x))
+        h, _ = self.gru(h.transpose(0, 1))
+        h, _ = self.rnn(h.transpose(0, 1))
+        return self.head(h)
+
+
+class SequenceOps(nn.Module):
+    """Reorderings and scans along the sequence (flip, roll, cumsum), RMSNorm, a LayerNorm without bias and a
+    max over time: per-sample ops that move or combine entries within a sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.rms = nn.RMSNorm(8)
+        self.ln = nn.LayerNorm(8, bias=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # [B, T, 6]
+        h = self.ln(self.rms(self.fc(x)))
+        h = torch.cumsum(h, 1) + torch.flip(h, [1, 2]) + torch.roll(h, 1, 1)
+        return self.head(h.amax(1, keepdim=True) + h)
+
+
 class SpectralNormNet(nn.Module):
     """A Linear under torch's spectral_norm parametrization: in training mode each forward updates its power
     iteration's buffers in place, and the weight's gradient reads the vectors (u, v) it made. The min-cut

@@ -64,7 +64,14 @@ def dp_reference(
         rows = [grad_i(i) for i in range(inputs[0].shape[0])]
         g = {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
     else:
-        g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
+        try:
+            g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
+        except RuntimeError as exc:  # ops vmap has no batching rule for (nn.LSTM's fused kernels): the loop
+            if "batch" not in str(exc) and "shape" not in str(exc):
+                raise
+            return dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=max_grad_norm,
+                                reduction=reduction, expected_batch_size=expected_batch_size, eps=eps,
+                                forward=forward, loop=True)
     B = inputs[0].shape[0]
     norms = torch.sqrt(sum(v.reshape(B, -1).pow(2).sum(1) for v in g.values()))
     keep = norms.isfinite()

@@ -248,6 +248,7 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         assert ("mesh['dp'] and mesh['tp']" if dtensor_takes_unbacked_batch() else "needs torch 2.13") \
             in rep["tp_dp_meshes_apart"], rep
         assert "'parametrizations.weight.original0' is a scalar" in rep["scalar_parameter"], rep
+        assert "'lstm' is an nn.LSTM, nn.GRU or nn.RNN" in rep["recurrent"] and rep["recurrent_untouched"], rep
 
 
 @pytest.mark.parametrize("case", sorted(dist_worker.NCCL_CASES))

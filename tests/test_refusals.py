@@ -79,20 +79,20 @@ def test_regulariser_in_loss_is_refused_naming_the_parameter():
     )
 
 
-class Flipper(nn.Module):
+class RunningMax(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(5, 3)
 
     def forward(self, x):
-        return self.fc(x).flip(-1)
+        return torch.cummax(self.fc(x), -1).values
 
 
 def test_unknown_op_is_refused_not_guessed():
-    model = nn.Sequential(Flipper())
+    model = nn.Sequential(RunningMax())
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
-                   "prims.rev", "0 (Flipper)", "no rule", ".flip(-1)")
+                   "aten.cummax", "0 (RunningMax)", "no rule", "torch.cummax(")
 
 
 class BatchCentering(nn.Module):
@@ -393,3 +393,64 @@ def test_experts_on_tokens_sorted_across_the_batch_are_refused():
     x = torch.randn(4, 3, 4)
     expect_refusal(lambda: run(SortedExperts(), lambda m, x: m(x).pow(2).sum((1, 2)).mean(), (x,)),
                    "aten.sort", "mixes samples", "SortedExperts")
+
+
+class SampleFlip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x).flip(0)  # sample b gets sample B - 1 - b's output
+
+
+def test_a_flip_of_the_sample_dim_is_refused():
+    """flip along any other dim is per sample (cases.sequence_ops)."""
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(SampleFlip(), lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "reverses the sample dim", "SampleFlip")
+
+
+def test_a_step_whose_model_dynamo_ran_eagerly_is_refused_before_any_gradient():
+    """Dynamo runs nn.LSTM eagerly unless allow_rnn is set: the step's only graph is then the loss, with no
+    parameter. Its backward would carry the gradients on to the parameters unclipped; refused, saying how to
+    have the layer traced, and nothing reaches .grad."""
+    model = M.RecurrentNet()
+    x, y = torch.randint(0, 11, (4, 3)), torch.randn(4, 3, 3)
+    with torch._dynamo.config.patch(allow_rnn=False):
+        torch._dynamo.reset()
+        expect_refusal(lambda: run(model, lambda m, x, y: M.mse(m(x), y).mean(), (x, y)),
+                       "no trainable parameter", "require grad", "allow_rnn = True")
+    assert all(p.grad is None for p in model.parameters())
+    torch._dynamo.reset()
+
+
+def test_a_step_traced_without_its_model_is_refused():
+    """The same for any model dynamo does not trace (here one it was told to skip)."""
+    model = M.MLP()
+    model.forward = torch._dynamo.disable(model.forward)
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "no trainable parameter", "require grad", "remove the graph break")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_private_step_traces_recurrent_layers():
+    import cases
+    from reference import dp_reference
+
+    c = cases.CASES["recurrent"]
+    torch.manual_seed(0)
+    inputs, targets = c.data(4)
+    model = c.model()
+    ref, _ = dp_reference(model, c.loss, inputs, targets, max_grad_norm=0.05, expected_batch_size=4)
+
+    @dpcompile.private_step(max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
+    def step(x, y):
+        c.loss(model(x), y).mean().backward()
+
+    with torch._dynamo.config.patch(allow_rnn=False):  # the decorator sets it for its steps
+        torch._dynamo.reset()
+        step(*inputs, *targets)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

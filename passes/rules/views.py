@@ -213,6 +213,19 @@ def _pad(an, node):
     return s
 
 
+def _flip(an, node):
+    """flip (prims.rev: its decomposition) reverses the entries along dims: per sample unless one is the
+    sample dim, whose rows it would hand to other samples."""
+    x, dims = node.args[0], node.args[1]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    n = ndim(x)
+    if s.dim in {norm_dim(d, n) for d in dims}:
+        return fail_layout(an, node, "reverses the sample dim")
+    return s
+
+
 def _slice_scatter(an, node):
     """slice_scatter/select_scatter(base, src, dim, ...): the backward of slicing."""
     base, src = node.args[0], node.args[1]
@@ -311,5 +324,7 @@ for p in (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk):
 RULES[aten.cat] = _cat
 RULES[aten.stack] = _stack
 RULES[aten.constant_pad_nd] = _pad
+RULES[aten.flip] = _flip
+RULES[torch.ops.prims.rev] = _flip
 RULES[aten.slice_scatter] = _slice_scatter
 RULES[aten.select_scatter] = _slice_scatter

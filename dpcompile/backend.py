@@ -239,8 +239,9 @@ def refuse_gradients_passed_out(gm: fx.GraphModule, inputs: list[GraphInput], ex
     if not torch.is_grad_enabled() or in_non_private():
         return
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = [a.meta.get("example_value") for a in out.all_input_nodes]
-    if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in outs):
+    outs = [a.meta.get("example_value", a.meta.get("val")) for a in out.all_input_nodes]
+    # an output whose value dynamo did not record counts as one that requires grad
+    if not any(v is None or (isinstance(v, torch.Tensor) and v.requires_grad) for v in outs):
         return
     placeholders = gm.graph.find_nodes(op="placeholder")
     carrying = [(gi.name, node) for gi, ex, node in zip(inputs, example_inputs, placeholders)

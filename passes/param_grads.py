@@ -188,6 +188,16 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         ta, _ = decompose(a, ctx, param, alpha)
         tb, _ = decompose(b, ctx, param, alpha * beta * (-1 if t is aten.sub.Tensor else 1))
         return ta + tb, False
+    if t is aten.cat.default:
+        # disjoint blocks of the parameter, each its own gradient (nn.MultiheadAttention's in_proj_weight when
+        # query and key differ: three linears of its chunks): per sample, the blocks of that sample's
+        terms = []
+        for x in node.args[0]:
+            if not isinstance(x, fx.Node):
+                raise refuse("a constant block is joined to the gradient")
+            terms += decompose(x, ctx, param, alpha)[0]
+        ctx.counters["param_grad_blocks_joined"] += 1
+        return terms, False
     if t is aten.slice_scatter.default and is_zero_constant(node.args[0]):
         terms, _ = decompose(node.args[1], ctx, param, alpha)
         return terms, False

@@ -518,6 +518,10 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         args[0] = x
         args[1] = (args[1] if len(args) > 1 else 0) % n + 1
         r = b.call(t, *args)
+    elif t is aten.cat.default:  # each block's per-sample gradient, joined along the same dim
+        xs = [_replay(b, nb, x, pg, memo) for x in node.args[0]]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        r = b.call(aten.cat.default, xs, dim % node.meta["val"].dim() + 1)
     elif t is aten.slice_scatter.default:
         x = _replay(b, nb, node.args[1], pg, memo)
         base = node.args[0].meta["val"]

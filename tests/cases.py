@@ -103,6 +103,9 @@ SMALL_LAYER_CASES = {
     # a top-2 routed mixture of experts: topk routing, expert weights gathered per token (an index_put gradient)
     "routed_experts": Case(lambda: M.RoutedExperts(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                            M.mse),
+    # nn.MultiheadAttention with key and value apart from the query: its in_proj_weight's gradient in three blocks
+    "cross_attention": Case(lambda: M.CrossAttention(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
+                            M.mse),
     # LSTM, GRU and RNN layers (dynamo traces them with allow_rnn, set below)
     "recurrent": Case(lambda: M.RecurrentNet(), lambda B: ((ids(B, 3, 11),), (torch.randn(B, 3, 3),)), M.mse),
     # flip, roll and cumsum along the sequence, RMSNorm, LayerNorm without bias, a max over time
@@ -241,6 +244,8 @@ def finite_median(norms: torch.Tensor) -> float:
 # (a model whose forward updates buffers runs alone: the matrix's logical batch of two micro-batches, which
 # would see them updated twice, is then one batch)
 STATEFUL_CASES = ("spectral_norm",)
+# (and nn.MultiheadAttention, which runs sharded op by op only: SHARDED_EAGER_ONLY)
+ALONE_CASES = (*STATEFUL_CASES, "cross_attention")
 # cases the sharded runs leave out, and why
 SHARDED_LEFT_OUT = {
     "recurrent": "dpcompile.fully_shard refuses nn.LSTM, nn.GRU and nn.RNN (test_fsdp: "
@@ -250,8 +255,8 @@ SHARDED_LEFT_OUT = {
                     "backward the same way (numel <= 1)",
 }
 SHARDED_CASES = {"layer_kinds": side_by_side({n: c for n, c in SMALL_LAYER_CASES.items()
-                                              if n not in STATEFUL_CASES and n not in SHARDED_LEFT_OUT}),
-                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES or n in STATEFUL_CASES},
+                                              if n not in ALONE_CASES and n not in SHARDED_LEFT_OUT}),
+                 **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES or n in ALONE_CASES},
                  "vit": VIT}
 # cases the sharded matrix runs once, op by op (compiler="eager"), and why not through Inductor
 SHARDED_EAGER_ONLY = {
@@ -261,6 +266,7 @@ SHARDED_EAGER_ONLY = {
     "per_head_weights": "stock torch.compile (torch 2.13) fails on an einsum with per-head weights ('bhsd,hde->bhse') "
                         "with an unbacked batch size: 'Could not guard on data-dependent expression Eq(5*u0, 1)' in "
                         "Inductor's lowering; one process with a backed batch size runs through Inductor",
+    "cross_attention": "as vit: nn.MultiheadAttention through Inductor with an unbacked batch size (torch 2.13)",
     "vit": "Inductor (torch 2.13) fails on nn.MultiheadAttention with an unbacked batch size, stock torch.compile "
            "with mark_unbacked too: 'Guard failed on the same frame it was created' in _dynamic_reshape_indexer",
 }
@@ -277,6 +283,8 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls
         assert sum(v for k, v in counters.items() if k.startswith("norm_bmm_")) >= 3, counters
+    if name == "cross_attention":  # in_proj_weight's three blocks, each per sample
+        assert counters.get("param_grad_blocks_joined", 0) >= 1, counters
     if name == "spectral_norm":  # the reads of the updated buffers saved, not recomputed
         assert counters.get("mutated_input_reads_saved", 0) >= 1, counters
     if name == "routed_experts":  # the experts' weights and biases gathered per token: index_put gradients

@@ -66,6 +66,24 @@ class RecurrentNet(nn.Module):
         return self.head(h)
 
 
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention with key and value apart from the query (cross-attention, as in
+    nn.TransformerDecoderLayer): its packed in_proj_weight meets three inputs in three chunks, so its gradient
+    joins three blocks (aten.cat)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(6, 8)
+        self.memory = nn.Linear(6, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # [B, T, 6]
+        m = torch.tanh(self.memory(x))
+        out, _ = self.attn(self.q(x), m, m, need_weights=False)
+        return self.head(out)
+
+
 class SequenceOps(nn.Module):
     """Reorderings and scans along the sequence (flip, roll, cumsum), RMSNorm, a LayerNorm without bias and a
     max over time: per-sample ops that move or combine entries within a sample."""

@@ -99,6 +99,13 @@ def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
     return dep
 
 
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a joint graph the backward runs: those that read a tangent, and those dpcompile placed in
+    the backward without reading one (a forward value the ghost second backward recomputes)."""
+    return tangent_dependent(graph) | {n for n in graph.nodes
+                                       if n.meta.get("partitioner_tag") == "must_be_in_backward"}
+
+
 def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 

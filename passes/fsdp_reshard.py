@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dpcompile.fx_utils import tangent_dependent
+from dpcompile.fx_utils import backward_nodes
 
 from .context import DPPassContext
 
@@ -49,8 +49,7 @@ def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     ops that read them as saved."""
     # backward: what reads the tangent, and what dpcompile placed in the backward without reading it (a
     # forward value the ghost second backward recomputes): those read a gathered parameter in the backward
-    backward = (tangent_dependent(gm.graph) | {n for n in gm.graph.nodes
-                                                if n.meta.get("partitioner_tag") == "must_be_in_backward"}) if ctx.reshard_primals else set()
+    backward = backward_nodes(gm.graph) if ctx.reshard_primals else set()
     for primal in ctx.reshard_primals:
         frontier = list(primal.users)
         chain: set[fx.Node] = set()

@@ -106,7 +106,7 @@ SMALL_LAYER_CASES = {
     # nn.MultiheadAttention with key and value apart from the query: its in_proj_weight's gradient in three blocks
     "cross_attention": Case(lambda: M.CrossAttention(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                             M.mse),
-    # LSTM, GRU and RNN layers (dynamo traces them with allow_rnn, set below)
+    # LSTM, GRU and RNN layers (dynamo traces them with allow_rnn, set at the top of this module)
     "recurrent": Case(lambda: M.RecurrentNet(), lambda B: ((ids(B, 3, 11),), (torch.randn(B, 3, 3),)), M.mse),
     # flip, roll and cumsum along the sequence, RMSNorm, LayerNorm without bias, a max over time
     "sequence_ops": Case(lambda: M.SequenceOps(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
@@ -249,7 +249,7 @@ ALONE_CASES = (*STATEFUL_CASES, "cross_attention")
 # cases the sharded runs leave out, and why
 SHARDED_LEFT_OUT = {
     "recurrent": "dpcompile.fully_shard refuses nn.LSTM, nn.GRU and nn.RNN (test_fsdp: "
-                 "test_fully_shard_refuses_recurrent_layers)",
+                 "test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model_is_refused)",
     "sequence_ops": "torch 2.13 cannot trace roll and cumsum with an unbacked batch size (a sharded step's): "
                     "dynamo breaks the graph at roll on Eq(40*u0, 0), and stock torch.compile fails on cumsum's "
                     "backward the same way (numel <= 1)",

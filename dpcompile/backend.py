@@ -432,6 +432,8 @@ class DPPartitioner(CustomPartitionerFn):
             tp_size=self.tp.size if self.tp is not None else 1,
             # tensor parallel: the placeholders whose values differ across the group (shards, frozen ones too)
             tp_local_primals={by_index[gi.index] for gi in inputs if gi.tp == "shard" and gi.index in by_index},
+            state_inputs={by_index[gi.index]: (gi.kind, gi.name) for gi in inputs if gi.index in by_index
+                          and gi.kind in ("param", "frozen_param", "buffer", "constant")},
         )
         ctx.summary["frozen"] = [gi.name for gi in inputs if gi.kind == "frozen_param"]
         return ctx

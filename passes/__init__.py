@@ -29,6 +29,7 @@ from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
 from .second_backward_recompute import second_backward_recompute_pass
+from .state_updates import state_updates_pass
 from .tensor_parallel import tensor_parallel_check_pass
 from .unit_batch_matmuls import unit_batch_matmuls_pass
 
@@ -46,6 +47,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("unit_batch_matmuls", unit_batch_matmuls_pass, optional=True),
     Pass("batch_dim_analysis", batch_dim_analysis_pass),
     Pass("empty_batch", empty_batch_pass),
+    # privacy: what the step keeps besides gradients (buffers) holds no sample data
+    Pass("state_updates", state_updates_pass),
     Pass("loss_reduction", loss_reduction_pass),
     Pass("param_grad_decomposition", param_grad_decomposition_pass),
     Pass("tensor_parallel_check", tensor_parallel_check_pass),

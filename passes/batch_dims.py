@@ -30,7 +30,7 @@ from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
-from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, Reduced, is_masking,
+from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, SINGLE, Batched, Contribution, Mixed, Reduced, is_masking,
                           is_zero_constant, loss_not_per_sample)
 from .context import DPPassContext
 from .rules import RULES, pointwise
@@ -127,7 +127,12 @@ class BatchDimAnalysis:
                 ins = node.all_input_nodes
                 if any(i in self.tdep for i in ins):
                     self.tdep.add(node)
-                self.states[node] = self._state(node)
+                if ctx.whole_gradient_mode and node in self.tdep:
+                    self.states[node] = self._backward_state_of_one_sample(node)
+                elif ctx.whole_gradient_mode:
+                    self.states[node] = self._forward_state_of_one_sample(node)
+                else:
+                    self.states[node] = self._state(node)
             elif node.op == "output":
                 pass
             elif node.op == "get_attr":
@@ -194,6 +199,34 @@ class BatchDimAnalysis:
                 "file an issue with this op, or keep it out of the compiled step",
             )
         return rule(self, node)
+
+    def _backward_state_of_one_sample(self, node: fx.Node):
+        """A backward node of a static batch of one (``whole_gradient_mode``). Its gradient is clipped whole, so
+        no backward state is used: the schedule neither decomposes the gradients into contributions nor
+        scales rows. Where dims of size one make a rule's layout ambiguous (an RNN's time steps of one, a
+        sum over a size-one dim taken for the sample dim), the node is sample 0's (SINGLE) rather than
+        refused: nothing can mix samples when there is one. The forward stays strict: it decides what the
+        loss reduces over."""
+        v = node.meta.get("val")
+        if not isinstance(v, (torch.Tensor, tuple, list)):
+            return self._state(node)  # a Python scalar from sample data leaves the graph: refused as ever
+        try:
+            s = self._state(node)
+        except DPCompileError:
+            self.ctx.counters["one_sample_backward_fallbacks"] += 1
+            return tuple(SINGLE for _ in v) if isinstance(v, (tuple, list)) else SINGLE
+        return s
+
+    def _forward_state_of_one_sample(self, node: fx.Node):
+        """A forward node of a static batch of one: refused as at any batch size (the forward's states decide
+        whether the loss is a mean or a sum over samples), with the way around a size-one ambiguity."""
+        try:
+            return self._state(node)
+        except DPCompileError as e:
+            raise DPCompileError(
+                f"{e}\n  At a static batch of one every dim of size one may hold the sample. If the step runs "
+                f"at larger batches, dpcompile.mark_batch(<the step's batched inputs>) before the call compiles "
+                f"one graph for every batch size, with the sample dim known.") from e
 
     def _mixing_error(self, node: fx.Node, m: Mixed) -> DPCompileError:
         o = m.origin

@@ -47,6 +47,8 @@ class DPPassContext:
     tp_rank: int = 0  # this rank's coordinate in the tp group
     tp_size: int = 1
     tp_local_primals: set = dataclasses.field(default_factory=set)  # placeholders that differ across the group
+    # placeholders of state the step keeps past itself (parameters, buffers, captured tensors): (kind, name)
+    state_inputs: dict[fx.Node, tuple[str, str]] = dataclasses.field(default_factory=dict)
     # filled by the passes -------------------------------------------------
     batch_size: Any = None
     states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)

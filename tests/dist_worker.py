@@ -447,6 +447,24 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["recurrent"] = str(e)
     results["recurrent_untouched"] = not any(isinstance(p, torch.distributed.tensor.DTensor)
                                              for p in rnn.parameters())
+    # a buffer updated from the samples (a running mean of the inputs): refused on every rank, rank 1 with no
+    # samples included (the graph is the same), before any collective
+    torch._dynamo.reset()
+    running = M.RunningInputMean()
+    dpcompile.fully_shard(running, mesh=mesh)
+    xs = torch.randn(3 * (1 - rank), 5)
+
+    def running_step(x):
+        loss = running(x).pow(2).sum(1).mean()
+        loss.backward()
+        return loss.detach()
+
+    try:
+        torch.compile(running_step, backend=backend)(xs)
+        results["running_statistic"] = "no error"
+    except dpcompile.DPCompileError as e:
+        results["running_statistic"] = str(e)
+    results["running_statistic_untouched"] = bool((running.running_mean == 0).all())
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -101,6 +101,23 @@ class SequenceOps(nn.Module):
         return self.head(h.amax(1, keepdim=True) + h)
 
 
+class RunningInputMean(nn.Module):
+    """Keeps a running mean of its inputs in a buffer (as a hand-written normaliser might): the buffer would
+    carry the samples without noise, so a DP step that updates it is refused (passes/state_updates.py)."""
+
+    def __init__(self, d=5, out=3):
+        super().__init__()
+        self.fc = nn.Linear(d, out)
+        self.register_buffer("running_mean", torch.zeros(d))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):  # [B, d]
+        out = self.fc(x - self.running_mean)  # last step's mean: sample-free here
+        self.steps.add_(1)  # sample-free: allowed
+        self.running_mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return out
+
+
 class SpectralNormNet(nn.Module):
     """A Linear under torch's spectral_norm parametrization: in training mode each forward updates its power
     iteration's buffers in place, and the weight's gradient reads the vectors (u, v) it made. The min-cut

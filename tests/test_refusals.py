@@ -60,6 +60,45 @@ def test_batchnorm_in_eval_mode_is_fine():
     assert model.fc.weight.grad is not None
 
 
+@pytest.mark.parametrize("batch", [4, 1])
+def test_a_buffer_written_from_the_samples_is_refused(batch):
+    """A running mean of the inputs kept in a buffer leaves the step without noise: refused, naming the buffer
+    and the op, before the step has written it; the sample-free counter beside it passes. At a static batch
+    of one too (clipped whole: nothing else there looks at the samples). Sharded: test_fsdp's
+    test_partially_sharded_..."""
+    model = M.RunningInputMean()
+    x = torch.randn(batch, 5)
+    expect_refusal(lambda: run(model, lambda m, x: m(x).pow(2).sum(1).mean(), (x,)),
+                   "writes sample data into buffer 'running_mean'", "aten.mean.dim", "privatises gradients only")
+    assert (model.running_mean == 0).all() and model.steps == 0
+
+
+def test_batchnorm_running_statistics_are_refused_at_a_batch_of_one():
+    """At a batch of one BatchNorm's statistics are the one sample's (not mixed), but its running statistics
+    would still carry the sample out of the step."""
+    model = nn.Sequential(nn.BatchNorm1d(6), nn.Flatten(), nn.Linear(18, 3))
+    x, y = torch.randn(1, 6, 3), torch.randint(0, 3, (1,))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "into buffer '0.running_", "0 (BatchNorm1d)", "GroupNorm")
+
+
+def test_a_buffer_written_from_parameters_only_is_fine():
+    """spectral_norm's power iteration writes buffers computed from the weight alone (tests/cases.py runs it
+    against the oracle): the check lets it through."""
+    model = M.SpectralNormNet()
+    x, y = torch.randn(4, 5, 4), torch.randn(4, 5, 3)
+    backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+    def step(x, y):
+        loss = M.mse(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    torch.compile(step, backend=backend)(x, y)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["state_updates_checked"] >= 2, record.counters
+
+
 def test_token_mean_over_whole_batch_is_refused():
     model = M.GPT()
     ids = torch.randint(0, 13, (4, 6))

@@ -69,3 +69,6 @@ for p in (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten
           aten.randint_like):
     RULES[p] = _fresh
 RULES[aten.native_dropout] = _dropout
+# an input's in-place update (a functionalized mutation: copy_ into the input) holds the value written; what
+# may be written into state the step keeps is passes/state_updates.py's to check
+RULES[aten.copy_] = _pointwise

@@ -128,7 +128,25 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
     attrs = {n: make(n) for n in names}
     attrs["_dpcompile_sharded_names"] = names
+    if issubclass(cls, nn.RNNBase):
+        attrs.update(_RNN_ATTRS)
     return type(f"DPSharded{cls.__name__}", (cls,), attrs)
+
+
+def _gathered_flat_weights(self) -> list:
+    return [getattr(self, wn) if hasattr(self, wn) else None for wn in self._flat_weights_names]
+
+
+# nn.LSTM, nn.GRU and nn.RNN run on a list of their weights (_flat_weights), kept by RNNBase when the weights
+# are set and refreshed by a check of weak references at each forward. A sharded module's weights are
+# gathered where they are read, a new tensor each time: the list read, here, gathers them (through the
+# properties above), and nothing keeps it (setting it, refreshing it or flattening it for cuDNN does nothing;
+# a list kept from before sharding would train the unsharded weights, outside the graph's collectives)
+_RNN_ATTRS = {
+    "_flat_weights": property(_gathered_flat_weights, lambda self, value: None),
+    "_update_flat_weights": lambda self: None,
+    "flatten_parameters": lambda self: None,
+}
 
 
 def _made_here(p: nn.Parameter) -> bool:
@@ -196,13 +214,6 @@ def fully_shard(
         raise ValueError(f"fully_shard needs a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard supports 1-D (FSDP) and 2-D (HSDP) meshes, got {mesh.ndim}-D")
-    rnns = [n or type(module).__name__ for n, m in module.named_modules() if isinstance(m, nn.RNNBase)]
-    if rnns:
-        # they run on a list of their weights (_flat_weights) that a sharded parameter's gathering bypasses;
-        # traced sharded, the step had one incoming gradient per RNN weight (tests/cases.py: recurrent)
-        raise ValueError(
-            f"fully_shard: {rnns[0]!r} is an nn.LSTM, nn.GRU or nn.RNN, which dpcompile cannot shard yet; leave "
-            f"it unsharded (shard the blocks around it, not a module that holds it) or train it on one process")
     mp = mp_policy or MixedPrecisionPolicy()
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0 and not _made_here(p)]
@@ -242,6 +253,7 @@ def fully_shard(
         already = getattr(sub, "_dpcompile_sharded_names", ())
         base = sub.__class__.__bases__[0] if already else sub.__class__
         sub.__class__ = _sharded_class(base, tuple(dict.fromkeys(already + names)))
+        sub.__dict__.pop("_flat_weights", None)  # an RNN's list of its unsharded weights (_RNN_ATTRS)
         sub._dpcompile_mp = mp
         sub._dpcompile_tp = layouts
     if not getattr(module, "_dpcompile_mp_hooks", False):  # FSDP2's module-level casts, once per module

@@ -248,8 +248,6 @@ STATEFUL_CASES = ("spectral_norm",)
 ALONE_CASES = (*STATEFUL_CASES, "cross_attention")
 # cases the sharded runs leave out, and why
 SHARDED_LEFT_OUT = {
-    "recurrent": "dpcompile.fully_shard refuses nn.LSTM, nn.GRU and nn.RNN (test_fsdp: "
-                 "test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model_is_refused)",
     "sequence_ops": "torch 2.13 cannot trace roll and cumsum with an unbacked batch size (a sharded step's): "
                     "dynamo breaks the graph at roll on Eq(40*u0, 0), and stock torch.compile fails on cumsum's "
                     "backward the same way (numel <= 1)",

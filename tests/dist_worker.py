@@ -438,15 +438,6 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["scalar_parameter"] = "no error"
     except ValueError as e:
         results["scalar_parameter"] = str(e)
-    # an RNN (its list of weights bypasses the gathering): refused by name before anything is sharded
-    rnn = M.RecurrentNet()
-    try:
-        dpcompile.fully_shard(rnn, mesh=init_device_mesh("cpu", (world,)))
-        results["recurrent"] = "no error"
-    except ValueError as e:
-        results["recurrent"] = str(e)
-    results["recurrent_untouched"] = not any(isinstance(p, torch.distributed.tensor.DTensor)
-                                             for p in rnn.parameters())
     # a buffer updated from the samples (a running mean of the inputs): refused on every rank, rank 1 with no
     # samples included (the graph is the same), before any collective
     torch._dynamo.reset()

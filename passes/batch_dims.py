@@ -219,10 +219,13 @@ class BatchDimAnalysis:
 
     def _forward_state_of_one_sample(self, node: fx.Node):
         """A forward node of a static batch of one: refused as at any batch size (the forward's states decide
-        whether the loss is a mean or a sum over samples), with the way around a size-one ambiguity."""
+        whether the loss is a mean or a sum over samples). Samples found mixed there may be a dim of size one
+        taken for the sample dim: that refusal says how to compile with the sample dim known."""
         try:
             return self._state(node)
         except DPCompileError as e:
+            if not getattr(e, "mixes_samples", False):
+                raise
             raise DPCompileError(
                 f"{e}\n  At a static batch of one every dim of size one may hold the sample. If the step runs "
                 f"at larger batches, dpcompile.mark_batch(<the step's batched inputs>) before the call compiles "
@@ -234,14 +237,17 @@ class BatchDimAnalysis:
         if isinstance(ov, torch.Tensor) and ov.numel() == 1:
             # a scalar computed across samples feeding per-sample values: the
             # typical case is a loss normalised by a count over the batch
-            return loss_not_per_sample(o, m.why)
-        return DPCompileError(
-            f"dp_fsdp cannot prove per-sample gradients: op {op_name(o)} in module {module_of(o)} "
-            f"mixes samples ({m.why}), and its result is combined with per-sample data by "
-            f"{op_name(node)} in module {module_of(node)}."
-            + (f"\n  at: {source_line(o)}" if source_line(o) else "")
-            + "\n  What to do: " + _mixing_advice(o)
-        )
+            err = loss_not_per_sample(o, m.why)
+        else:
+            err = DPCompileError(
+                f"dp_fsdp cannot prove per-sample gradients: op {op_name(o)} in module {module_of(o)} "
+                f"mixes samples ({m.why}), and its result is combined with per-sample data by "
+                f"{op_name(node)} in module {module_of(node)}."
+                + (f"\n  at: {source_line(o)}" if source_line(o) else "")
+                + "\n  What to do: " + _mixing_advice(o)
+            )
+        err.mixes_samples = True  # (at a batch of one: maybe a dim of size one taken for the sample dim)
+        return err
 
     def _reduced_rule(self, node: fx.Node, r: Reduced):
         """Linear maps of a sum over samples stay a sum over samples."""

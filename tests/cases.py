@@ -108,6 +108,10 @@ SMALL_LAYER_CASES = {
                             M.mse),
     # LSTM, GRU and RNN layers (dynamo traces them with allow_rnn, set at the top of this module)
     "recurrent": Case(lambda: M.RecurrentNet(), lambda B: ((ids(B, 3, 11),), (torch.randn(B, 3, 3),)), M.mse),
+    # activation checkpointing (torch.utils.checkpoint, non-reentrant): the block's forward recomputed in the
+    # backward; the oracle runs one backward per sample (torch.func cannot take checkpoint's hooks)
+    "checkpointed": Case(lambda: M.CheckpointedBlocks(),
+                         lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
     # flip, roll and cumsum along the sequence, RMSNorm, LayerNorm without bias, a max over time
     "sequence_ops": Case(lambda: M.SequenceOps(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                          M.mse),

@@ -5,6 +5,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 
@@ -99,6 +100,22 @@ class SequenceOps(nn.Module):
         h = self.ln(self.rms(self.fc(x)))
         h = torch.cumsum(h, 1) + torch.flip(h, [1, 2]) + torch.roll(h, 1, 1)
         return self.head(h.amax(1, keepdim=True) + h)
+
+
+class CheckpointedBlocks(nn.Module):
+    """Two residual MLP blocks under activation checkpointing (torch.utils.checkpoint, non-reentrant, as
+    Hugging Face's gradient_checkpointing_enable uses): each block's forward runs again in the backward."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(),
+                                                  nn.Linear(2 * d, d)) for _ in range(2))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
 
 
 class RunningInputMean(nn.Module):

@@ -99,6 +99,33 @@ def test_a_buffer_written_from_parameters_only_is_fine():
     assert record.counters["state_updates_checked"] >= 2, record.counters
 
 
+@pytest.mark.parametrize("batch", [4, 1])
+def test_an_embedding_with_max_norm_is_refused(batch):
+    """max_norm renormalises, in place, the rows the batch looks up: the samples change the weight, without
+    noise. Refused by name with what to do, at a batch of one too (no size-one advice there: not a layout)."""
+    model = M.EmbNet()
+    model.emb.max_norm = 1.0
+    x, y = torch.randint(0, 11, (batch, 5)), torch.randn(batch, 5, 3)
+    err = expect_refusal(lambda: run(model, lambda m, x, y: M.mse(m(x), y).mean(), (x, y)),
+                         "aten.embedding_renorm", "emb (Embedding)", "drop max_norm")
+    assert "mark_batch" not in str(err)
+
+
+def test_samples_mixed_at_a_batch_of_one_says_how_to_know_the_sample_dim():
+    """At a static batch of one a dim of size one may be taken for the sample dim: a refusal for mixing
+    samples in the forward there says how to compile with the sample dim known (mark_batch)."""
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.fc(x - x.mean(0))
+
+    expect_refusal(lambda: run(Centred(), lambda m, x: m(x).pow(2).sum(1).mean(), (torch.randn(1, 5),)),
+                   "mixes samples", "static batch of one", "dpcompile.mark_batch")
+
+
 def test_token_mean_over_whole_batch_is_refused():
     model = M.GPT()
     ids = torch.randint(0, 13, (4, 6))

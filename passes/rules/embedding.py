@@ -196,7 +196,15 @@ def _embedding_backward(an, node):
     return Reduced(node)
 
 
+def _embedding_renorm(an, node):
+    raise an.refuse(
+        node, "nn.Embedding with max_norm rescales, in place, the rows of the weight that the batch looks up: a "
+              "change of the parameter that the samples decide, made without noise",
+        "drop max_norm (or clip the weight's rows yourself after the optimizer step, outside the DP step)")
+
+
 RULES: dict[Any, Any] = {}
+RULES[aten.embedding_renorm] = _embedding_renorm
 RULES[aten.gather] = _gather
 RULES[aten.embedding] = _embedding
 RULES[aten.index] = _index

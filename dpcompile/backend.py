@@ -23,7 +23,7 @@ from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
-                              hf_expand_position_ids, hint_mix_order_split)
+                              hf_expand_position_ids, hint_mix_order_split, rng_states_before_saved_objects)
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
@@ -332,6 +332,8 @@ class DPPartitioner(CustomPartitionerFn):
         # must issue the same collectives.
         with torch._functorch.config.patch(cse=False):
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        ctx.counters["rng_states_moved_before_saved_objects"] += rng_states_before_saved_objects(
+            fw, bw, kwargs["num_fwd_outputs"])
         # what CSE would have merged among the saved values (no_aliased_donations: why it matters)
         merge_identical_saved_values(fw, bw, kwargs["num_fwd_outputs"], ctx.counters)
         # ghost: the second backward's own copies of the pointwise values both backwards read

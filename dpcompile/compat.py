@@ -459,3 +459,47 @@ def meshes_are_graph_inputs() -> bool:
     """torch 2.13 hands a sharded step's device meshes to the compiled graph as opaque inputs (the cache keys
     them: dpcompile.compile_cache.stable_mesh_keys); 2.11 bakes them into the graph."""
     return _torch_at_least(2, 13)
+
+
+def rng_states_before_saved_objects(fw, bw, num_fwd_outputs: int) -> int:
+    """Where the partitioner recomputes a random op in the backward (activation checkpointing over a
+    dropout, even at p=0), it saves the op's RNG state: it appends the state to the forward's saved tensors,
+    just before the saved symbolic sizes, and as a backward input just before the tangents. Saved opaque
+    objects (torch 2.13 hands a sharded step's device meshes to the graph as such) sit between the two, and
+    AOTAutograd reads its saved values as (tensors, opaque objects, sizes): the mesh is then taken for a
+    tensor ("expected all tensors_saved_with_vc_check to be Tensors", torch 2.13; a sharded Llama with its
+    activation checkpointing on). Moves the states to the end of the saved tensors, in both graphs.
+    Returns how many states moved (0: nothing to do)."""
+    import operator
+
+    import torch
+    from torch._prims.rng_prims import run_and_save_rng_state as run_and_save_rng
+
+    def opaque(n) -> bool:
+        v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        return v is not None and not isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, int, float))
+
+    def rng_state(n) -> bool:
+        return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target is operator.getitem and \
+            n.args[0].target is run_and_save_rng and n.args[1] == 0
+
+    out = fw.graph.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    saved = outs[num_fwd_outputs:]
+    states = [n for n in saved if rng_state(n)]
+    objects = [n for n in saved if opaque(n)]
+    if not states or not objects or saved.index(states[0]) < saved.index(objects[-1]):
+        return 0
+    first = saved.index(objects[0])
+    rest = [n for n in saved if n not in states]
+    out.args = (tuple(outs[:num_fwd_outputs] + rest[:first] + states + rest[first:]),) + tuple(out.args[1:])
+    placeholders = bw.graph.find_nodes(op="placeholder")
+    names = {n.name for n in objects}
+    bw_objects = [p for p in placeholders if p.name in names]
+    bw_states = [p for p in placeholders if p.name.startswith("rng_state_output")]
+    assert len(bw_states) == len(states) and bw_objects, (bw_states, states, bw_objects)
+    for p in bw_states:
+        bw_objects[0].prepend(p)
+    fw.recompile()
+    bw.recompile()
+    return len(states)

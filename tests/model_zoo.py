@@ -82,8 +82,10 @@ def labels():
     return torch.randint(0, 3, (B,))
 
 
-def hf(config: str, model: str, task: str, **kw):
-    """A transformers model: task "lm" (next-token logits, token targets) or "cls" (3 classes)."""
+def hf(config: str, model: str, task: str, checkpointing: dict | None = None, **kw):
+    """A transformers model: task "lm" (next-token logits, token targets) or "cls" (3 classes).
+    checkpointing: the model's own activation checkpointing turned on, with these arguments for
+    torch.utils.checkpoint."""
     def make():
         import transformers
 
@@ -91,7 +93,11 @@ def hf(config: str, model: str, task: str, **kw):
         extra = {"num_labels": 3} if task != "lm" else {}
         cfg = getattr(transformers, config)(**(ids if task != "image" else {}), **extra, **kw)
         call = {"use_cache": False} if "CausalLM" in model else {}
-        return Logits(getattr(transformers, model)(cfg), **call)
+        m = getattr(transformers, model)(cfg)
+        if checkpointing is not None:
+            enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+            enable(checkpointing)
+        return Logits(m, **call)
 
     if task == "lm":
         return make, lambda: ((tokens(),), (tokens(),)), token_ce
@@ -174,6 +180,13 @@ MODELS = {
                  num_attention_heads=2, hidden_dropout=0.0, attention_dropout=0.0),
     "mistral": hf("MistralConfig", "MistralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
                   max_position_embeddings=16, sliding_window=4),
+    # the model's own activation checkpointing: each decoder layer's forward recomputed in the backward
+    "llama_checkpointed": hf("LlamaConfig", "LlamaForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2},
+                             num_key_value_heads=1, max_position_embeddings=16,
+                             checkpointing={"use_reentrant": False}),
+    "llama_checkpointed_reentrant": hf("LlamaConfig", "LlamaForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2},
+                                       num_key_value_heads=1, max_position_embeddings=16,
+                                       checkpointing={"use_reentrant": True}),
     "qwen2": hf("Qwen2Config", "Qwen2ForCausalLM", "lm", **BLOCK, num_key_value_heads=1, max_position_embeddings=16),
     "phi": hf("PhiConfig", "PhiForCausalLM", "lm", **BLOCK, max_position_embeddings=16, partial_rotary_factor=0.5,
               resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
@@ -253,7 +266,8 @@ MODELS = {
 
 # models whose oracle runs on another model of the zoo with the same parameters and the same function, written
 # with ops float64 has (the oracle's precision)
-ORACLE_TWIN = {"mixtral_grouped": "mixtral_bmm"}
+# (reentrant checkpointing cannot run under torch.autograd.grad, which the oracle's per-sample backward uses)
+ORACLE_TWIN = {"mixtral_grouped": "mixtral_bmm", "llama_checkpointed_reentrant": "llama_checkpointed"}
 
 
 def _twin_oracle(name: str, oracle):
@@ -269,14 +283,14 @@ def _twin_oracle(name: str, oracle):
 def _oracle_for(model, loss, inputs, targets, name: str | None = None):
     """(oracle, unclipped per-sample norms): reference.dp_reference (vmap(grad)) where vmap can run the model,
     else the same with one plain backward per sample (loop=True); on the model's ORACLE_TWIN where it has one."""
-    if name in ORACLE_TWIN:
-        oracle = _twin_oracle(name, reference.dp_reference)
-        return oracle, oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)[1]
+    def on(oracle):
+        return _twin_oracle(name, oracle) if name in ORACLE_TWIN else oracle
+
     try:
-        _, norms = reference.dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)
-        return reference.dp_reference, norms
+        oracle = on(reference.dp_reference)
+        return oracle, oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)[1]
     except Exception:  # noqa: BLE001 - vmap cannot run this model
-        oracle = functools.partial(reference.dp_reference, loop=True)
+        oracle = on(functools.partial(reference.dp_reference, loop=True))
         return oracle, oracle(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=B)[1]
 
 

@@ -24,6 +24,8 @@ from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner
                                      save_record, stable_mesh_keys)
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
                               hf_expand_position_ids, hint_mix_order_split, rng_states_before_saved_objects)
+from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
+from dpcompile.bilinear import bilinear_as_matmul
 from dpcompile.config import DPConfig
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
@@ -345,7 +347,7 @@ class DPPartitioner(CustomPartitionerFn):
         precompiled = precompile_kernels([fw, bw])
         if precompiled is not None:
             ctx.summary["kernel_precompile"] = precompiled
-        self.record.counters = dict(ctx.counters)
+        self.record.counters = {**self.record.counters, **ctx.counters}  # (the rewrites before AOTAutograd's)
         # Inductor's memory planning of bw adds buffer_reuses_refused to them
         count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)
         self._dump("forward", fw)
@@ -712,6 +714,7 @@ class DPBackend:
         counter = self._dropped_counter(device)
         gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
         unbacked = any(is_unbacked(size) for size, *_ in batch_sizes(gm, inputs))  # one graph, every batch size
+        record.counters[BILINEAR_COUNTER] = bilinear_as_matmul(gm)  # nn.Bilinear as ops with rules
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         distributed = any(gi.sharded or gi.tp for gi in inputs)

@@ -108,6 +108,8 @@ SMALL_LAYER_CASES = {
                             M.mse),
     # LSTM, GRU and RNN layers (dynamo traces them with allow_rnn, set at the top of this module)
     "recurrent": Case(lambda: M.RecurrentNet(), lambda B: ((ids(B, 3, 11),), (torch.randn(B, 3, 3),)), M.mse),
+    # nn.Bilinear (a weight between two per-sample operands) on sequences ([B, T, d])
+    "bilinear": Case(lambda: M.BilinearNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
     # activation checkpointing (torch.utils.checkpoint, non-reentrant): the block's forward recomputed in the
     # backward; the oracle runs one backward per sample (torch.func cannot take checkpoint's hooks)
     "checkpointed": Case(lambda: M.CheckpointedBlocks(),
@@ -285,6 +287,8 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls
         assert sum(v for k, v in counters.items() if k.startswith("norm_bmm_")) >= 3, counters
+    if name in ("bilinear", "layer_kinds"):  # both nn.Bilinear as matmuls with their weights
+        assert counters.get("bilinear_as_matmul", 0) == 2, counters
     if name == "cross_attention":  # in_proj_weight's three blocks, each per sample
         assert counters.get("param_grad_blocks_joined", 0) >= 1, counters
     if name == "spectral_norm":  # the reads of the updated buffers saved, not recomputed

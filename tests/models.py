@@ -120,6 +120,21 @@ class CheckpointedBlocks(nn.Module):
         return self.head(x)
 
 
+class BilinearNet(nn.Module):
+    """nn.Bilinear twice: of a hidden activation and the input (with bias), and of one activation with
+    itself (without): rewritten as a matmul with the weight before tracing (dpcompile/bilinear.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 4)
+        self.bil = nn.Bilinear(4, 6, 5)
+        self.bil2 = nn.Bilinear(5, 5, 3, bias=False)
+
+    def forward(self, x):
+        h = self.bil(torch.tanh(self.a(x)), x)
+        return self.bil2(h, h)
+
+
 class RunningInputMean(nn.Module):
     """Keeps a running mean of its inputs in a buffer (as a hand-written normaliser might): the buffer would
     carry the samples without noise, so a DP step that updates it is refused (passes/state_updates.py)."""

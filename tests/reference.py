@@ -67,8 +67,9 @@ def dp_reference(
         try:
             g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
         except RuntimeError as exc:  # ops vmap has no batching rule for (nn.LSTM's fused kernels), and
-            # activation checkpointing (torch.func cannot take its saved-tensor hooks): the loop
-            if "batch" not in str(exc) and "shape" not in str(exc) and "saved tensor hooks" not in str(exc):
+            # activation checkpointing (torch.func cannot take its saved-tensor hooks, torch 2.13; nor its
+            # _NoopSaveInputs function, 2.11): the loop
+            if not any(m in str(exc) for m in ("batch", "shape", "saved tensor hooks", "vmap support")):
                 raise
             return dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=max_grad_norm,
                                 reduction=reduction, expected_batch_size=expected_batch_size, eps=eps,

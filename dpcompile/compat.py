@@ -463,7 +463,8 @@ def meshes_are_graph_inputs() -> bool:
 
 def rng_states_before_saved_objects(fw, bw, num_fwd_outputs: int) -> int:
     """Where the partitioner recomputes a random op in the backward (activation checkpointing over a
-    dropout, even at p=0), it saves the op's RNG state: it appends the state to the forward's saved tensors,
+    dropout, or over SDPA, which the partitioner counts as random as it may drop out), it saves the op's RNG
+    state: it appends the state to the forward's saved tensors,
     just before the saved symbolic sizes, and as a backward input just before the tangents. Saved opaque
     objects (torch 2.13 hands a sharded step's device meshes to the graph as such) sit between the two, and
     AOTAutograd reads its saved values as (tensors, opaque objects, sizes): the mesh is then taken for a

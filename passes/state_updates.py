@@ -32,8 +32,9 @@ def _advice(module: str, kind: str) -> str:
 
 
 def _origin(node: fx.Node, states) -> fx.Node:
-    """The op nearest the update that brings sample data in: a sample-free input with sample-dependent
-    operands (what the user wrote, e.g. ``x.mean(0)``), else the value itself."""
+    """The op to name for an update: from the value written, back along its one sample-dependent operand
+    while that stays in the same module (``0.9 * r + 0.1 * x.mean(0)`` names the mean); where the value has
+    several such operands, or the operand comes from another module, the value's own op."""
     while node.op == "call_function":
         dependent = [a for a in node.all_input_nodes if states.get(a, FREE) is not FREE]
         if len(dependent) != 1 or module_of(dependent[0]) != module_of(node):

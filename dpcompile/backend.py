@@ -27,6 +27,8 @@ from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, 
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
 from dpcompile.config import DPConfig
+from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
+from dpcompile.embedding_bag import embedding_bags_as_embeddings
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
 from dpcompile.eager_guard import in_non_private, refuse_recompile_limit_fallback, sentinel
@@ -715,6 +717,7 @@ class DPBackend:
         gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
         unbacked = any(is_unbacked(size) for size, *_ in batch_sizes(gm, inputs))  # one graph, every batch size
         record.counters[BILINEAR_COUNTER] = bilinear_as_matmul(gm)  # nn.Bilinear as ops with rules
+        record.counters[EMBEDDING_BAG_COUNTER] = embedding_bags_as_embeddings(gm)  # ... nn.EmbeddingBag too
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         distributed = any(gi.sharded or gi.tp for gi in inputs)

@@ -108,6 +108,9 @@ SMALL_LAYER_CASES = {
                             M.mse),
     # LSTM, GRU and RNN layers (dynamo traces them with allow_rnn, set at the top of this module)
     "recurrent": Case(lambda: M.RecurrentNet(), lambda B: ((ids(B, 3, 11),), (torch.randn(B, 3, 3),)), M.mse),
+    # nn.EmbeddingBag over 2-D input in its three modes, padding entries and per-entry weights
+    "embedding_bag": Case(lambda: M.EmbeddingBagNet(), lambda B: ((ids(B, 5, 11, pad=0), torch.rand(B, 5)),
+                                                                  (torch.randn(B, 3),)), M.mse),
     # nn.Bilinear (a weight between two per-sample operands) on sequences ([B, T, d])
     "bilinear": Case(lambda: M.BilinearNet(), lambda B: ((torch.randn(B, 4, 6),), (torch.randn(B, 4, 3),)), M.mse),
     # activation checkpointing (torch.utils.checkpoint, non-reentrant): the block's forward recomputed in the
@@ -287,6 +290,8 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls
         assert sum(v for k, v in counters.items() if k.startswith("norm_bmm_")) >= 3, counters
+    if name in ("embedding_bag", "layer_kinds"):  # the three nn.EmbeddingBag as embeddings
+        assert counters.get("embedding_bag_as_embedding", 0) == 3, counters
     if name in ("bilinear", "layer_kinds"):  # both nn.Bilinear as matmuls with their weights
         assert counters.get("bilinear_as_matmul", 0) == 2, counters
     if name == "cross_attention":  # in_proj_weight's three blocks, each per sample

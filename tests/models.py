@@ -135,6 +135,23 @@ class BilinearNet(nn.Module):
         return self.bil2(h, h)
 
 
+class EmbeddingBagNet(nn.Module):
+    """nn.EmbeddingBag over 2-D input (a bag per sample) in its three modes: a sum weighted per entry and a
+    mean, both skipping padding_idx, and a max: rewritten as embeddings and reductions before tracing
+    (dpcompile/embedding_bag.py)."""
+
+    def __init__(self, vocab=11, d=4):
+        super().__init__()
+        self.sum = nn.EmbeddingBag(vocab, d, mode="sum", padding_idx=0)
+        self.mean = nn.EmbeddingBag(vocab, d, mode="mean", padding_idx=0)
+        self.max = nn.EmbeddingBag(vocab, d, mode="max")
+        self.head = nn.Linear(3 * d, 3)
+
+    def forward(self, ids, weights):  # [B, L] token ids, [B, L] per-entry weights
+        bags = [self.sum(ids, per_sample_weights=weights), self.mean(ids), self.max(ids)]
+        return self.head(torch.cat(bags, -1))
+
+
 class RunningInputMean(nn.Module):
     """Keeps a running mean of its inputs in a buffer (as a hand-written normaliser might): the buffer would
     carry the samples without noise, so a DP step that updates it is refused (passes/state_updates.py)."""

@@ -111,6 +111,24 @@ def test_an_embedding_with_max_norm_is_refused(batch):
     assert "mark_batch" not in str(err)
 
 
+def test_an_embedding_bag_with_offsets_is_refused_saying_how_to_pass_it():
+    """Bags given by offsets over 1-D input: which sample an index belongs to is data. Refused, naming the op
+    and the module, with the 2-D form dpcompile takes (tests/cases.py: embedding_bag)."""
+    class Bags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(11, 4, mode="sum")
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, flat, offsets):
+            return self.head(self.bag(flat, offsets))
+
+    flat, offsets = torch.randint(0, 11, (8,)), torch.tensor([0, 3, 5, 6])
+    expect_refusal(lambda: run(Bags(), lambda m, f, o: m(f, o).pow(2).sum(1).mean(), (flat, offsets),
+                               batch_dim={"xs.0": None}),
+                   "aten._embedding_bag", "bag (EmbeddingBag)", "as 2-D input")
+
+
 def test_samples_mixed_at_a_batch_of_one_says_how_to_know_the_sample_dim():
     """At a static batch of one a dim of size one may be taken for the sample dim: a refusal for mixing
     samples in the forward there says how to compile with the sample dim known (mark_batch)."""

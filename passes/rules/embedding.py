@@ -203,8 +203,19 @@ def _embedding_renorm(an, node):
         "drop max_norm (or clip the weight's rows yourself after the optimizer step, outside the DP step)")
 
 
+def _embedding_bag(an, node):
+    # 2-D input without max_norm never gets here (dpcompile/embedding_bag.py rewrites it as an embedding)
+    raise an.refuse(
+        node, "nn.EmbeddingBag over 1-D input with offsets (or with max_norm) has no per-sample rule: which "
+              "bag, and so which sample, an index belongs to is data",
+        "pass the bags as 2-D input, one row per sample padded with padding_idx (nn.EmbeddingBag(..., "
+        "padding_idx=p)), which dpcompile takes as an embedding and a reduction; drop max_norm")
+
+
 RULES: dict[Any, Any] = {}
 RULES[aten.embedding_renorm] = _embedding_renorm
+RULES[aten._embedding_bag] = _embedding_bag
+RULES[aten._embedding_bag_forward_only] = _embedding_bag
 RULES[aten.gather] = _gather
 RULES[aten.embedding] = _embedding
 RULES[aten.index] = _index

@@ -56,9 +56,11 @@ def embedding_bags_as_embeddings(gm: fx.GraphModule) -> int:
             continue
         args = bound.arguments
         x = _example(args["input"])
+        mode = args.get("mode", "mean")
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or args.get("offsets") is not None or \
-                args.get("max_norm") is not None or args.get("mode", "mean") not in ("sum", "mean", "max"):
-            continue
+                args.get("max_norm") is not None or mode not in ("sum", "mean", "max") or \
+                (mode != "sum" and args.get("per_sample_weights") is not None):
+            continue  # left to F.embedding_bag: refused by the analysis, or its own error (weights not summed)
         node.target = embedding_bag_by_embedding
         n += 1
     if n:

@@ -129,6 +129,15 @@ def test_an_embedding_bag_with_offsets_is_refused_saying_how_to_pass_it():
                    "aten._embedding_bag", "bag (EmbeddingBag)", "as 2-D input")
 
 
+def test_an_embedding_bag_that_torch_refuses_keeps_its_error():
+    """per_sample_weights are only for mode="sum": F.embedding_bag raises for a mean, and the rewrite as an
+    embedding (dpcompile/embedding_bag.py) must not turn that into a mean that ignores them."""
+    model = nn.EmbeddingBag(11, 4, mode="mean")
+    ids, w = torch.randint(0, 11, (4, 5)), torch.rand(4, 5)
+    with pytest.raises(Exception, match="per_sample_weights"):
+        run(model, lambda m, x, w: m(x, per_sample_weights=w).pow(2).sum(1).mean(), (ids, w))
+
+
 def test_samples_mixed_at_a_batch_of_one_says_how_to_know_the_sample_dim():
     """At a static batch of one a dim of size one may be taken for the sample dim: a refusal for mixing
     samples in the forward there says how to compile with the sample dim known (mark_batch)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from dpcompile.fx_utils import retarget_calls
+
 COUNTER = "bilinear_as_matmul"
 
 
@@ -26,11 +28,4 @@ def bilinear_by_matmul(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
 
 def bilinear_as_matmul(gm: fx.GraphModule) -> int:
     """Rewrites every torch.bilinear call of dynamo's graph; returns how many."""
-    n = 0
-    for node in list(gm.graph.find_nodes(op="call_function", target=torch.bilinear)):
-        node.target = bilinear_by_matmul
-        n += 1
-    if n:
-        gm.graph.lint()
-        gm.recompile()
-    return n
+    return retarget_calls(gm, torch.bilinear, bilinear_by_matmul)

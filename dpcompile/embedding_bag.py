@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from dpcompile.fx_utils import retarget_calls
+
 COUNTER = "embedding_bag_as_embedding"
 _SIGNATURE = inspect.signature(F.embedding_bag)
 
@@ -45,25 +47,21 @@ def _example(a):
     return a.meta.get("example_value") if isinstance(a, fx.Node) else a
 
 
+def _rewritable(node: fx.Node) -> bool:
+    """2-D input, no offsets, no max_norm, and per_sample_weights only where summed; any other call is left to
+    F.embedding_bag: refused by the analysis, or its own error (weights not summed)."""
+    try:
+        args = _SIGNATURE.bind(*node.args, **node.kwargs).arguments
+    except TypeError:
+        return False
+    x = _example(args["input"])
+    mode = args.get("mode", "mean")
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and args.get("offsets") is None and \
+        args.get("max_norm") is None and mode in ("sum", "mean", "max") and \
+        (mode == "sum" or args.get("per_sample_weights") is None)
+
+
 def embedding_bags_as_embeddings(gm: fx.GraphModule) -> int:
     """Rewrites every F.embedding_bag call of dynamo's graph that has 2-D input and no max_norm; returns how
     many."""
-    n = 0
-    for node in list(gm.graph.find_nodes(op="call_function", target=F.embedding_bag)):
-        try:
-            bound = _SIGNATURE.bind(*node.args, **node.kwargs)
-        except TypeError:
-            continue
-        args = bound.arguments
-        x = _example(args["input"])
-        mode = args.get("mode", "mean")
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or args.get("offsets") is not None or \
-                args.get("max_norm") is not None or mode not in ("sum", "mean", "max") or \
-                (mode != "sum" and args.get("per_sample_weights") is not None):
-            continue  # left to F.embedding_bag: refused by the analysis, or its own error (weights not summed)
-        node.target = embedding_bag_by_embedding
-        n += 1
-    if n:
-        gm.graph.lint()
-        gm.recompile()
-    return n
+    return retarget_calls(gm, F.embedding_bag, embedding_bag_by_embedding, where=_rewritable)

@@ -106,6 +106,21 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
                                        if n.meta.get("partitioner_tag") == "must_be_in_backward"}
 
 
+def retarget_calls(gm: fx.GraphModule, target: Any, replacement: Any, where: Any = None) -> int:
+    """Points every call of ``target`` in ``gm`` (that ``where(node)`` accepts) at ``replacement``, a function
+    of the same arguments, and recompiles; returns how many calls. For dynamo's graphs, before AOTAutograd
+    traces the replacement's ops."""
+    n = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=target)):
+        if where is None or where(node):
+            node.target = replacement
+            n += 1
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    return n
+
+
 def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 

@@ -470,6 +470,10 @@ def worker(spec: dict) -> int:
     torch.set_float32_matmul_precision("high")  # TF32 matmuls for fp32 (bf16 autocast does not care)
     for key, value in (spec.get("inductor_config") or {}).items():
         setattr(*inductor_setting(key), value)
+    if spec.get("bucket_mb") and MODES[spec["mode"]][0] in ("torch", "dpcompile"):
+        import dpcompile
+
+        dpcompile.bucket_collectives(spec["bucket_mb"], overlap=spec.get("overlap", False))
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "ranks": int(os.environ.get("WORLD_SIZE", 1))}
     try:
@@ -692,7 +696,7 @@ def add_ratios(results: list[dict]) -> None:
                  and (b["model"], b["B"], b["T"], b["dtype"]) == (r["model"], r["B"], r["T"], r["dtype"])]
         same_ranks = [b for b in group if b.get("ranks", 1) == r.get("ranks", 1)]
         ref = min(same_ranks or group, key=lambda b: b["median_ms"], default=None)
-        r["ref_mode"] = ref["mode"] if ref else None
+        r["ref_mode"] = mode_name(ref) if ref else None
         ok = ref is not None and r["status"] == "ok"
         r["time_ratio"] = r["median_ms"] / ref["median_ms"] if ok else None
         r["mem_ratio"] = r["peak_gib"] / ref["peak_gib"] if ok and r.get("peak_gib") and ref.get("peak_gib") else None
@@ -702,10 +706,19 @@ def label(r: dict) -> str:
     return f"{r['model']} {r['B']}x{r['T']} {r['dtype']}"
 
 
+def mode_name(r: dict) -> str:
+    """The mode, and the collective bucketing it compiled with (--bucket-mb): a bucketed run of a mode is a row
+    of its own beside the unbucketed one."""
+    compiled = MODES.get(r["mode"], ("",))[0] in ("torch", "dpcompile")
+    if not (r.get("bucket_mb") and compiled):
+        return r["mode"]
+    return f"{r['mode']} b{r['bucket_mb']:g}" + ("+overlap" if r.get("overlap") else "")
+
+
 def series(r: dict) -> str:
     """The mode, and its ranks when it ran on several (merged single-rank and sharded runs share a chart)."""
     ranks = r.get("ranks", 1)
-    return r["mode"] + (f" ({ranks} ranks)" if ranks > 1 else "")
+    return mode_name(r) + (f" ({ranks} ranks)" if ranks > 1 else "")
 
 
 def fmt(v, spec: str) -> str:
@@ -716,7 +729,7 @@ def table_rows(results: list[dict]) -> list[list[str]]:
     rows = []
     for r in results:
         note = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
-        rows.append([label(r), r["mode"], str(r.get("ranks", 1)), fmt(r.get("median_ms"), ".1f"),
+        rows.append([label(r), mode_name(r), str(r.get("ranks", 1)), fmt(r.get("median_ms"), ".1f"),
                      fmt(r.get("time_ratio"), ".2f"), fmt(r.get("peak_gib"), ".2f"), fmt(r.get("mem_ratio"), ".2f"),
                      fmt(r.get("compile_and_warmup_s"), ".1f"), fmt(r.get("first_loss"), ".4f"), note])
     return rows
@@ -786,11 +799,13 @@ def plot(results: list[dict], path: str) -> None:
     groups = list(dict.fromkeys(label(r) for r in results))
     modes = [m for m in dict.fromkeys(series(r) for r in results)
              if any(series(r) == m and r["status"] != "skipped" for r in results)]  # drop modes run nowhere
-    # one colour per mode, the same in every chart (MODES has ten); several ranks hatched
+    # one colour per mode, the same in every chart (MODES has ten); several ranks hatched, bucketed dotted
     mode_of = {series(r): r["mode"] for r in results}
     color = {m: plt.get_cmap("tab10")((list(MODES).index(mode_of[m]) if mode_of[m] in MODES else 9) % 10)
              for m in modes}
-    hatch = {m: "///" if m != mode_of[m] else None for m in modes}
+    first = {series(r): r for r in reversed(results)}
+    hatch = {m: ("///" if first[m].get("ranks", 1) > 1 else "") + (".." if mode_name(first[m]) != mode_of[m] else "")
+             or None for m in modes}
     by_key = {(label(r), series(r)): r for r in results}
     width = 0.8 / max(1, len(modes))
     top = max([r["time_ratio"] for r in results if r.get("time_ratio")] or [1.0])
@@ -840,6 +855,7 @@ def finish(results: list[dict]) -> list[dict]:
     groups = list(dict.fromkeys(label(r) for r in results))
     return sorted(results, key=lambda r: (groups.index(label(r)),
                                           list(MODES).index(r["mode"]) if r["mode"] in MODES else 99,
+                                          mode_name(r) != r["mode"],
                                           r.get("ranks", 1)))
 
 
@@ -868,7 +884,7 @@ def merge(paths: list[str]) -> tuple[list[dict], list]:
                   f"or is still going)", flush=True)
         for r in rows:
             r.setdefault("ranks", 1)
-            k = (r["model"], r["B"], r["T"], r["dtype"], r["mode"], r["ranks"])
+            k = (r["model"], r["B"], r["T"], r["dtype"], mode_name(r), r["ranks"])
             if k not in best or STATUS_RANK.get(r["status"], 1) >= STATUS_RANK.get(best[k]["status"], 1):
                 best.pop(k, None)  # re-inserted: the order of the later row
                 best[k] = r
@@ -882,6 +898,7 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
     specs = [dict(model=m, B=b, T=t, dtype=dt, mode=mode, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
                   llama_tied=args.llama_tied, inductor_config=args.inductor_config,
+                  bucket_mb=args.bucket_mb, overlap=args.overlap,
                   memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None,
                   kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None,
                   host_profile=os.path.abspath(args.host_profile) if args.host_profile else None)
@@ -938,6 +955,11 @@ def main(argv=None) -> int:
                     help="ranks for the FSDP modes (and --shard); default: the number of GPUs")
     ap.add_argument("--shard", action="store_true",
                     help="non-private and dp_fsdp modes sharded with dpcompile.fully_shard over --nproc ranks")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="compiled modes (non-private and dpcompile): dpcompile.bucket_collectives(MiB), Inductor's "
+                         "bucketing of the sharded step's all-gathers and reduce-scatters; rows marked bMB")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --bucket-mb: also Inductor's compute/communication reordering")
     ap.add_argument("--llama-tied", action="store_true", help="tie Llama's LM head to its embedding (Opacus refuses)")
     ap.add_argument("--mode-timeout", type=float, default=600, help="seconds one mode may take, compile included")
     ap.add_argument("--logs", default=None, help="directory for each mode's full output")
@@ -989,6 +1011,10 @@ def main(argv=None) -> int:
         args.iters = args.iters if args.iters is not None else (3 if args.tiny else 10)
         if args.iters < 1 or args.warmup < 0:
             ap.error("--iters must be at least 1 and --warmup at least 0")
+        if args.bucket_mb is not None and not args.bucket_mb > 0:
+            ap.error("--bucket-mb must be a positive number of MiB")
+        if args.overlap and args.bucket_mb is None:
+            ap.error("--overlap needs --bucket-mb")
         if args.nproc is None:
             import torch
 

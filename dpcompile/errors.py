@@ -27,6 +27,14 @@ class DPCompileError(_PassThrough):
         super().__init__(message, **_KW)
 
 
+class SamplesMixedError(DPCompileError):
+    """A DPCompileError for values of several samples combined where per-sample values are needed (a loss
+    normalised across the batch, a sort or cumulative op along the sample dim feeding per-sample data).
+
+    At a static batch of one this may be a dim of size one taken for the sample dim, which is why the
+    batch-of-one path tells these refusals from the others (and adds how to name the sample dim)."""
+
+
 class DPValueError(ValueError, _PassThrough):
     """Bad options or inputs found while compiling (a ValueError)."""
 

@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from dpcompile.errors import DPCompileError, DPValueError
+from dpcompile.errors import DPCompileError, DPValueError, SamplesMixedError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
@@ -223,15 +223,13 @@ class BatchDimAnalysis:
         taken for the sample dim: that refusal says how to compile with the sample dim known."""
         try:
             return self._state(node)
-        except DPCompileError as e:
-            if not getattr(e, "mixes_samples", False):
-                raise
-            raise DPCompileError(
+        except SamplesMixedError as e:
+            raise SamplesMixedError(
                 f"{e}\n  At a static batch of one every dim of size one may hold the sample. If the step runs "
                 f"at larger batches, dpcompile.mark_batch(<the step's batched inputs>) before the call compiles "
                 f"one graph for every batch size, with the sample dim known.") from e
 
-    def _mixing_error(self, node: fx.Node, m: Mixed) -> DPCompileError:
+    def _mixing_error(self, node: fx.Node, m: Mixed) -> SamplesMixedError:
         o = m.origin
         ov = o.meta.get("val")
         if isinstance(ov, torch.Tensor) and ov.numel() == 1:
@@ -239,14 +237,13 @@ class BatchDimAnalysis:
             # typical case is a loss normalised by a count over the batch
             err = loss_not_per_sample(o, m.why)
         else:
-            err = DPCompileError(
+            err = SamplesMixedError(
                 f"dp_fsdp cannot prove per-sample gradients: op {op_name(o)} in module {module_of(o)} "
                 f"mixes samples ({m.why}), and its result is combined with per-sample data by "
                 f"{op_name(node)} in module {module_of(node)}."
                 + (f"\n  at: {source_line(o)}" if source_line(o) else "")
                 + "\n  What to do: " + _mixing_advice(o)
             )
-        err.mixes_samples = True  # (at a batch of one: maybe a dim of size one taken for the sample dim)
         return err
 
     def _reduced_rule(self, node: fx.Node, r: Reduced):

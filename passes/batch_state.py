@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from dpcompile.errors import DPCompileError
+from dpcompile.errors import SamplesMixedError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 
 if TYPE_CHECKING:
@@ -189,8 +189,8 @@ PER_SAMPLE_LOSS_HELP = (
 )
 
 
-def loss_not_per_sample(origin: fx.Node, why: str) -> DPCompileError:
-    return DPCompileError(
+def loss_not_per_sample(origin: fx.Node, why: str) -> SamplesMixedError:
+    return SamplesMixedError(
         f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
         f"{module_of(origin)} computes {why} (for example a token mean over the whole batch with "
         f"ignore_index divides by a count taken across samples)."

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import dpcompile
 import models as M
 from dpcompile import DPCompileError
+from dpcompile.errors import SamplesMixedError
 from helpers import check_against_reference
 
 
@@ -149,8 +150,16 @@ def test_samples_mixed_at_a_batch_of_one_says_how_to_know_the_sample_dim():
         def forward(self, x):
             return self.fc(x - x.mean(0))
 
-    expect_refusal(lambda: run(Centred(), lambda m, x: m(x).pow(2).sum(1).mean(), (torch.randn(1, 5),)),
-                   "mixes samples", "static batch of one", "dpcompile.mark_batch")
+    err = expect_refusal(lambda: run(Centred(), lambda m, x: m(x).pow(2).sum(1).mean(), (torch.randn(1, 5),)),
+                         "mixes samples", "static batch of one", "dpcompile.mark_batch")
+    assert isinstance(err, SamplesMixedError), type(err)
+    # at larger batches the same refusal, without the batch-of-one advice; a refusal of another kind is not one
+    err = expect_refusal(lambda: run(Centred(), lambda m, x: m(x).pow(2).sum(1).mean(), (torch.randn(4, 5),)),
+                         "mixes samples")
+    assert isinstance(err, SamplesMixedError) and "static batch of one" not in str(err), err
+    err = expect_refusal(lambda: run(M.RunningInputMean(), lambda m, x: m(x).pow(2).sum(1).mean(),
+                                     (torch.randn(1, 5),)), "writes sample data into buffer")
+    assert not isinstance(err, SamplesMixedError) and "static batch of one" not in str(err), err
 
 
 def test_token_mean_over_whole_batch_is_refused():

@@ -78,6 +78,18 @@ def _hf_llama():
     return LlamaForCausalLM(cfg)
 
 
+def _padded_tokens(vocab, T=6):
+    """(ids, attention_mask) with samples 1, 3, ... ending in two padding tokens (id 0), and token targets:
+    transformers builds its attention mask from the per-sample padding mask indexed with arange(B)."""
+    def data(B):
+        x = ids(B, T, vocab, pad=0)
+        x[:, 0] = x[:, 0].clamp(min=1)  # right padding only: a row of a left-padded sample could be all masked
+        x[1::2, -2:] = 0
+        return (x, (x != 0).long()), (ids(B, T, vocab),)
+
+    return data
+
+
 # every layer kind, each in a small model of its own
 SMALL_LAYER_CASES = {
     "mlp_2d": Case(lambda: M.MLP(), lambda B: ((torch.randn(B, 5) * 2,), (torch.randint(0, 3, (B,)),)), M.ce),
@@ -100,6 +112,8 @@ SMALL_LAYER_CASES = {
                               lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
     "attention_padding_mask": Case(lambda: M.PaddedAttention(),
                                    lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
+    # the sample dim indexed with torch.arange(B): transformers' masks and last-token pooling
+    "sample_indexed": Case(lambda: M.SampleIndexed(), lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 3),)), M.mse),
     # a top-2 routed mixture of experts: topk routing, expert weights gathered per token (an index_put gradient)
     "routed_experts": Case(lambda: M.RoutedExperts(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                            M.mse),
@@ -144,7 +158,7 @@ MODEL_CASES = {
     "gpt_kdim_ce": Case(lambda: M.GPT(n_layer=1), _tokens(13), kdim_ce),
     "llama_sum": Case(lambda: M.LlamaLM(), _tokens(13), M.seq_ce, reduction="sum"),
     "hf_gpt2": Case(_hf_gpt2, _tokens(29), _logits_ce),
-    "hf_llama": Case(_hf_llama, _tokens(29), _logits_ce, reduction="sum"),
+    "hf_llama": Case(_hf_llama, _padded_tokens(29), _logits_ce, reduction="sum"),  # with an attention mask
     # squeeze-excitation, ConvNeXt, U-Net, MLP-Mixer and gated-conv blocks
     "vision_blocks": Case(lambda: M.VisionBlocks(), lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randn(B, 3),)),
                           M.mse),
@@ -294,6 +308,10 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("embedding_bag_as_embedding", 0) == 3, counters
     if name in ("bilinear", "layer_kinds"):  # both nn.Bilinear as matmuls with their weights
         assert counters.get("bilinear_as_matmul", 0) == 2, counters
+    if name in ("sample_indexed", "layer_kinds"):  # the mask, the two poolings and the poolings' index_puts
+        assert counters.get("sample_dim_indexed_by_arange", 0) >= 5, counters
+    if name == "hf_llama":  # transformers' mask from the attention mask: the padding mask gathered per sample
+        assert counters.get("sample_dim_indexed_by_arange", 0) >= 1, counters
     if name == "cross_attention":  # in_proj_weight's three blocks, each per sample
         assert counters.get("param_grad_blocks_joined", 0) >= 1, counters
     if name == "spectral_norm":  # the reads of the updated buffers saved, not recomputed

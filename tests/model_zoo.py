@@ -137,6 +137,41 @@ def timm():
     return module
 
 
+class Padded(torch.nn.Module):
+    """A transformers model called with an attention mask (input_ids, attention_mask): its mask is built from the
+    per-sample padding mask indexed with torch.arange(batch size) (transformers' masking_utils)."""
+
+    def __init__(self, wrapped: Logits):
+        super().__init__()
+        self.model = wrapped.model
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+def padded(config: str, model: str, **kw):
+    """A sequence classifier fed padded batches: samples 1, 3, ... end in two padding tokens (masked out). Its
+    pooling, where it takes the last non-padding token (Llama's), indexes the samples with arange(B) too."""
+    def data():
+        ids = torch.randint(3, VOCAB, (B, T))
+        ids[1::2, -2:] = 0
+        return (ids, (ids != 0).long()), (labels(),)
+
+    make = hf(config, model, "cls", **kw)[0]
+    return lambda: Padded(make()), data, class_ce
+
+
+def whisper():
+    """Whisper's encoder for audio classification: two Conv1d over log-mel features, then transformer blocks."""
+    import transformers
+
+    cfg = transformers.WhisperConfig(num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                                     decoder_ffn_dim=24, max_source_positions=8, num_labels=3, dropout=0.0,
+                                     attention_dropout=0.0, activation_dropout=0.0, vocab_size=VOCAB)
+    return Logits(transformers.WhisperForAudioClassification(cfg))
+
+
 BLOCK = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24)
 NO_DROP = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 def wav2vec2():
@@ -239,6 +274,29 @@ MODELS = {
     "hf_convnext": hf("ConvNextConfig", "ConvNextForImageClassification", "image", image_size=16,
                       hidden_sizes=[8, 16], depths=[1, 1], num_stages=2),
     "hf_wav2vec2": (wav2vec2, lambda: ((torch.randn(B, 200),), (labels(),)), class_ce),
+    "hf_whisper": (whisper, lambda: ((torch.randn(B, 8, 16),), (labels(),)), class_ce),
+    "hf_dinov2": (lambda: _frozen(hf("Dinov2Config", "Dinov2ForImageClassification", "image", image_size=16,
+                                     patch_size=4, **BLOCK, **NO_DROP)[0](), "model.dinov2.embeddings.mask_token"),
+                  hf("Dinov2Config", "", "image")[1], class_ce),
+    "hf_swin": hf("SwinConfig", "SwinForImageClassification", "image", image_size=16, patch_size=2, embed_dim=8,
+                  depths=[1, 1], num_heads=[2, 2], window_size=2, drop_path_rate=0.0, **NO_DROP),
+    "hf_segformer": hf("SegformerConfig", "SegformerForImageClassification", "image", num_encoder_blocks=2,
+                       depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[3, 3], strides=[2, 2],
+                       num_attention_heads=[1, 2], mlp_ratios=[2, 2], drop_path_rate=0.0,
+                       classifier_dropout_prob=0.0, **NO_DROP),
+    # CLIP's vision tower as a classifier (its pooled output's layer norm unused there: frozen)
+    "hf_clip_vision": (lambda: _frozen(hf("CLIPConfig", "CLIPForImageClassification", "image", vision_config=dict(
+        image_size=16, patch_size=4, **BLOCK), text_config=BLOCK)[0](),
+        "model.vision_model.post_layernorm.weight", "model.vision_model.post_layernorm.bias"),
+        hf("CLIPConfig", "", "image")[1], class_ce),
+    "mamba": hf("MambaConfig", "MambaForCausalLM", "lm", hidden_size=16, state_size=4, num_hidden_layers=1, expand=2,
+                conv_kernel=3),  # selective scan, torch's sequential path
+    "mpt": hf("MptConfig", "MptForCausalLM", "lm", d_model=16, n_heads=2, n_layers=1, expansion_ratio=2,
+              max_seq_len=16, attn_config=dict(attn_pdrop=0), resid_pdrop=0.0, emb_pdrop=0.0),  # ALiBi
+    "bert_padded": padded("BertConfig", "BertForSequenceClassification", max_position_embeddings=16, **BLOCK,
+                          **NO_DROP),
+    "llama_padded": padded("LlamaConfig", "LlamaForSequenceClassification", **BLOCK, num_key_value_heads=1,
+                           max_position_embeddings=16),
     "timm_convnext": timm_model("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 16, 16), drop_path_rate=0.0),
     "timm_deit": timm_model("deit_tiny_patch16_224", 16, img_size=16, patch_size=4, embed_dim=16, depth=1,
                             num_heads=2),

@@ -478,6 +478,34 @@ class PaddedAttention(nn.Module):
         return self.proj(a.transpose(1, 2).reshape(B, T, -1))
 
 
+class SampleIndexed(nn.Module):
+    """Indexing a per-sample tensor's sample dim with torch.arange(batch size), as Hugging Face models do: the
+    attention mask gathered from the padding mask with the batch and key positions as index tensors
+    (transformers' masking_utils), the last non-padding token of each sample taken as its summary (sequence
+    classifiers' pooling), and the first token taken from a sequence-first layout (the samples on dim 1)."""
+
+    def __init__(self, vocab=11, d=6, n_head=2, pad=0):
+        super().__init__()
+        self.n_head, self.pad = n_head, pad
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.emb(ids)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        kept = ids != self.pad
+        batch, kv = torch.arange(B, device=ids.device), torch.arange(T, device=ids.device)
+        mask = kept[batch[:, None, None, None], kv[None, None, None, :]]  # [B, 1, 1, T]
+        mask = mask | torch.eye(T, dtype=torch.bool, device=ids.device)  # every query sees itself
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, T, -1)
+        last = (kept.long().sum(1) - 1).clamp(min=0)  # per-sample positions
+        pooled = h[batch, last]  # [B, d]
+        first = h.transpose(0, 1)[torch.zeros_like(batch), batch]  # [T, B, d] -> [B, d]
+        return self.head(pooled + 0.5 * first)
+
+
 class GPT(nn.Module):
     def __init__(self, vocab=13, d=8, n_head=2, n_layer=2, max_t=8, tied=False):
         super().__init__()

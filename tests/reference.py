@@ -66,10 +66,12 @@ def dp_reference(
     else:
         try:
             g = vmap(grad(loss_i), in_dims=(None, 0, 0))(params, inputs, targets)
-        except RuntimeError as exc:  # ops vmap has no batching rule for (nn.LSTM's fused kernels), and
+        except RuntimeError as exc:  # ops vmap has no batching rule for (nn.LSTM's fused kernels),
             # activation checkpointing (torch.func cannot take its saved-tensor hooks, torch 2.13; nor its
-            # _NoopSaveInputs function, 2.11): the loop
-            if not any(m in str(exc) for m in ("batch", "shape", "saved tensor hooks", "vmap support")):
+            # _NoopSaveInputs function, 2.11) and Python branches on tensor values (transformers asks whether
+            # an attention mask masks anything): the loop
+            if not any(m in str(exc) for m in ("batch", "shape", "saved tensor hooks", "vmap support",
+                                               "data-dependent control flow")):
                 raise
             return dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=max_grad_norm,
                                 reduction=reduction, expected_batch_size=expected_batch_size, eps=eps,

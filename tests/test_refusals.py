@@ -162,6 +162,24 @@ def test_samples_mixed_at_a_batch_of_one_says_how_to_know_the_sample_dim():
     assert not isinstance(err, SamplesMixedError) and "static batch of one" not in str(err), err
 
 
+@pytest.mark.parametrize("order", ["flipped", "shifted"])
+def test_indexing_the_sample_dim_out_of_order_is_refused(order):
+    """x[arange(B), j] is per sample (tests/cases.py sample_indexed); the batch positions in any other order
+    take one sample's values to another's place, which mixes samples."""
+    class Picks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 3)
+
+        def forward(self, x):
+            B = x.shape[0]
+            rows = torch.arange(B).flip(0) if order == "flipped" else (torch.arange(B) + 1) % B
+            return self.fc(x)[rows, torch.zeros_like(rows)]
+
+    expect_refusal(lambda: run(Picks(), lambda m, x: m(x).pow(2).mean(), (torch.randn(4, 5),)),
+                   "aten.index.Tensor", "not torch.arange(batch size)")
+
+
 def test_token_mean_over_whole_batch_is_refused():
     model = M.GPT()
     ids = torch.randint(0, 13, (4, 6))

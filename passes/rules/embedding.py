@@ -39,16 +39,122 @@ def _embedding(an, node):
     return an.st(idx)
 
 
+# ops that keep an index tensor's values and only insert, drop or broadcast dims of size one (or copy it)
+_SAME_VALUES = {aten.clone.default, aten.alias.default, aten._to_copy.default, aten.lift_fresh_copy.default,
+                torch.ops.prims.convert_element_type.default}
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+SAMPLE_INDEXED_COUNTER = "sample_dim_indexed_by_arange"  # gathers and index_puts proven per sample by an iota
+
+
+def _size_value(a):
+    """A size argument's value: an int, or the SymInt a graph input or sym_size node holds (an unbacked batch
+    size reaches the graph as one)."""
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def sample_iota_dim(an, i: fx.Node) -> int | None:
+    """The dim of index tensor i along which its values count the samples, 0, 1, ..., B - 1, with every other
+    dim of size one or a broadcast of it (torch.arange(batch_size) and its views: transformers' masks index a
+    per-sample padding mask with it, sequence classifiers take each sample's last token with it); None when i
+    is not such a tensor. Indexing a tensor's sample dim with it takes sample j to position j: per sample."""
+    if not isinstance(i, fx.Node) or i.op != "call_function" or an.st(i) is not FREE:
+        return None
+    if i.meta["val"].dtype not in (torch.int64, torch.int32):  # a bool index is a mask; narrower ints could wrap
+        return None
+    t = i.target
+    if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        a = [_size_value(x) for x in i.args]
+        start, end, step = (0, a[0], 1) if t is aten.arange.default else (a[0], a[1], a[2] if len(a) > 2 else 1)
+        return 0 if known(start == 0) and known(step == 1) and an.B is not None and known(end == an.B) else None
+    if t is torch.ops.prims.iota.default:  # what arange decomposes to
+        start, step = _size_value(i.kwargs.get("start", 0)), _size_value(i.kwargs.get("step", 1))
+        end = _size_value(i.args[0])
+        return 0 if known(start == 0) and known(step == 1) and an.B is not None and known(end == an.B) else None
+    if t in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar) and len(i.args) == 2 and \
+            isinstance(i.args[1], int) and i.args[1] == 0 and i.kwargs.get("alpha", 1) == 1:
+        src = i.args[0]  # an offset of zero (transformers adds its mask's offsets to the aranges)
+        return sample_iota_dim(an, src) if isinstance(src, fx.Node) and ndim(src) == ndim(i) else None
+    if t in _SAME_VALUES:
+        src = i.args[0]
+        return sample_iota_dim(an, src) if isinstance(src, fx.Node) and ndim(src) == ndim(i) else None
+    if not i.args or not isinstance(i.args[0], fx.Node):
+        return None
+    src = i.args[0]
+    d = sample_iota_dim(an, src)
+    if d is None:
+        return None
+    if t is aten.unsqueeze.default:
+        at = norm_dim(i.args[1], ndim(i))
+        return d + 1 if at <= d else d
+    if t is aten.expand.default:
+        return d + ndim(i) - ndim(src)
+    if t in _RESHAPES:
+        # only dims of size one inserted or dropped: the dims of other sizes keep their order
+        old, new = shape_of(src), shape_of(i)
+        keep_old = [k for k, n in enumerate(old) if not known(n == 1)]
+        keep_new = [k for k, n in enumerate(new) if not known(n == 1)]
+        if len(keep_old) != len(keep_new) or not all(known(old[a] == new[b]) for a, b in zip(keep_old, keep_new)):
+            return None
+        return keep_new[keep_old.index(d)] if d in keep_old else None
+    return None
+
+
+def _by_sample_layout(an, indices, s: int) -> tuple[int, int] | None:
+    """For x[indices] (or its index_put) with a sample iota on x's sample dim s: (where the indexed block starts
+    in the result, the iota's dim within that block), provided every other index tensor is sample-free or
+    per-sample with its samples on that same dim; None otherwise."""
+    if s >= len(indices) or indices[s] is None:
+        return None
+    d_i = sample_iota_dim(an, indices[s])
+    if d_i is None:
+        return None
+    tens = [(p, i) for p, i in enumerate(indices) if i is not None]
+    R = max(ndim(i) for _, i in tens)
+    d = R - ndim(indices[s]) + d_i
+    for p, i in tens:
+        si = an.st(i)
+        if p == s or si is FREE:
+            continue
+        if not (isinstance(si, Batched) and si.dim is not None and known(si.outer == 1) and known(si.inner == 1)
+                and R - ndim(i) + si.dim == d):
+            return None
+    positions = [p for p, _ in tens]
+    # numpy's rule: adjacent index tensors put their broadcast dims where they stood, separated ones first
+    start = positions[0] if positions == list(range(positions[0], positions[-1] + 1)) else 0
+    return start, d
+
+
+def _index_by_sample(an, node, x, sx, indices):
+    """x[..., iota, ...] with a sample iota (sample_iota_dim) on x's sample dim: result position j holds sample
+    j's values, so the result is per sample along the iota's dim; None when the op is not of that form."""
+    if not (isinstance(sx, Batched) and sx.dim is not None and known(sx.outer == 1) and known(sx.inner == 1)):
+        return None
+    found = _by_sample_layout(an, indices, sx.dim)
+    if found is None:
+        return None
+    start, d = found
+    if not known(shape_of(node)[start + d] == shape_of(x)[sx.dim]):
+        return None
+    an.ctx.counters[SAMPLE_INDEXED_COUNTER] += 1
+    return Batched(start + d)
+
+
 def _index(an, node):
     x, indices = node.args[0], node.args[1]
     sx = an.st(x)
     tens = [(p, i) for p, i in enumerate(indices) if i is not None]
+    by_sample = _index_by_sample(an, node, x, sx, indices)
+    if by_sample is not None:
+        return by_sample
     if len(tens) != 1:
         if all(an.st(i) is FREE for _, i in tens) and isinstance(sx, Batched):
             # constant indices on non-sample dims keep the layout if dims before are plain
             if sx.dim is None or all(p > sx.dim for p, _ in tens):
                 return sx
-        return fail_layout(an, node, "advanced indexing with several index tensors")
+        return fail_layout(an, node, "advanced indexing with several index tensors, one of them on the sample dim "
+                                     "and not torch.arange(batch size) there")
     p, i = tens[0]
     si = an.st(i)
     if isinstance(sx, Batched) and sx.dim is not None:
@@ -133,6 +239,44 @@ def _index_put_off_sample_dim(an, node, base, indices, values, mask):
     return lay
 
 
+def _index_put_by_sample(an, node, base, indices, values):
+    """base.index_put(indices, values) with a sample iota (sample_iota_dim) on base's sample dim (the backward of
+    x[iota, j]: a sequence classifier's last-token pooling): sample j's values land in sample j's slice of base,
+    so the result is per sample on that dim, accumulating or not; None when the op is not of that form."""
+    sb = an.st(base)
+    if isinstance(sb, Batched):
+        if sb.dim is None or not (known(sb.outer == 1) and known(sb.inner == 1)):
+            return None
+        dims = [sb.dim]
+    elif sb is FREE:
+        dims = [p for p, i in enumerate(indices) if i is not None and sample_iota_dim(an, i) is not None]
+    else:
+        return None
+    if len(dims) != 1:
+        return None
+    s = dims[0]
+    found = _by_sample_layout(an, indices, s)
+    if found is None or not known(shape_of(base)[s] == an.B):
+        return None
+    start, d = found
+    sv = an.st(values)
+    if isinstance(sv, Batched):
+        # values broadcast (right-aligned) to base[indices]'s shape: base's dims before the indexed block, the
+        # block's R dims, base's dims after it
+        tens = [i for i in indices if i is not None]
+        R = max(ndim(i) for i in tens)
+        n_indexed = ndim(base) - len(indices) + R
+        if sv.dim is None or not (known(sv.outer == 1) and known(sv.inner == 1)) or \
+                sv.dim + n_indexed - ndim(values) != start + d:
+            return None
+    elif sv is not FREE:
+        return None
+    if sb is FREE and sv is FREE and all(an.st(i) is FREE for i in indices if i is not None):
+        return FREE
+    an.ctx.counters[SAMPLE_INDEXED_COUNTER] += 1
+    return Batched(s)
+
+
 def _index_put(an, node):
     """base.index_put(indices, values, accumulate): the embedding backward."""
     t = node.target
@@ -149,6 +293,10 @@ def _index_put(an, node):
     kept = _index_put_off_sample_dim(an, node, base, indices, values, mask)
     if kept is not None:
         return kept
+    if mask is None:
+        by_sample = _index_put_by_sample(an, node, base, indices, values)
+        if by_sample is not None:
+            return by_sample
     if an.st(base) is not FREE:
         raise an.refuse(node, "scatters into a per-sample tensor")
     tens = [i for i in indices if i is not None]

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.errors import DPCompileError, DPValueError
+from dpcompile.fx_utils import known
 from dpcompile.step_split import split_error_text
 
 from .batch_state import FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, loss_not_per_sample
@@ -97,7 +98,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     if st is FREE:
         raise DPCompileError(split_error_text(
             ctx.split_step, "the loss does not depend on the batch inputs; nothing to privatise."))
-    if loss.meta["val"].numel() != 1:
+    if not known(loss.meta["val"].numel() == 1):  # (a graph cut short by a break may end in a [B, ...] value)
         raise DPCompileError(split_error_text(
             ctx.split_step,
             f"the loss must be a scalar, got shape {tuple(loss.meta['val'].shape)}. " + PER_SAMPLE_LOSS_HELP

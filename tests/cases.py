@@ -114,6 +114,9 @@ SMALL_LAYER_CASES = {
                                    lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 5, 3),)), M.mse),
     # the sample dim indexed with torch.arange(B): transformers' masks and last-token pooling
     "sample_indexed": Case(lambda: M.SampleIndexed(), lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 3),)), M.mse),
+    "fourier_mixer": Case(lambda: M.FourierMixer(), lambda B: ((torch.randn(B, 5, 3),), (torch.randn(B, 3),)), M.mse),
+    "spatial_transformer": Case(lambda: M.SpatialTransformer(), lambda B: ((torch.randn(B, 3, 8, 8),),
+                                                                          (torch.randn(B, 3),)), M.mse),
     # a top-2 routed mixture of experts: topk routing, expert weights gathered per token (an index_put gradient)
     "routed_experts": Case(lambda: M.RoutedExperts(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                            M.mse),
@@ -271,6 +274,10 @@ STATEFUL_CASES = ("spectral_norm",)
 ALONE_CASES = (*STATEFUL_CASES, "cross_attention")
 # cases the sharded runs leave out, and why
 SHARDED_LEFT_OUT = {
+    "fourier_mixer": "torch 2.13 cannot trace torch.fft with an unbacked batch size (a sharded step's): dynamo breaks "
+                     "the graph at the transform on Eq(18*u0, 0), and dpcompile refuses the split step",
+    "spatial_transformer": "torch 2.13 cannot trace F.affine_grid with an unbacked batch size: dynamo breaks the "
+                           "graph on u0 > 3, and dpcompile refuses the split step",
     "sequence_ops": "torch 2.13 cannot trace roll and cumsum with an unbacked batch size (a sharded step's): "
                     "dynamo breaks the graph at roll on Eq(40*u0, 0), and stock torch.compile fails on cumsum's "
                     "backward the same way (numel <= 1)",

@@ -506,6 +506,40 @@ class SampleIndexed(nn.Module):
         return self.head(pooled + 0.5 * first)
 
 
+class FourierMixer(nn.Module):
+    """FNet-style token mixing: the real part of a 2-D Fourier transform over tokens and features (torch.fft's
+    r2c and c2c transforms, view_as_real), between two Linears; features tiled with Tensor.repeat."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.out = nn.Linear(2 * d, 3)
+
+    def forward(self, x):  # [B, T, 3]
+        h = self.inp(x)
+        mixed = torch.fft.fft2(h, dim=(-2, -1)).real + torch.fft.irfft(torch.fft.rfft(h, dim=1), n=h.shape[1], dim=1)
+        return self.out(torch.tanh(mixed).repeat(1, 1, 2)).mean(1)
+
+
+class SpatialTransformer(nn.Module):
+    """A spatial transformer: a per-sample affine grid from a Linear (F.affine_grid), the image resampled on it
+    (F.grid_sample, whose backward gives both the image's and the grid's gradients), then a convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = nn.Linear(3 * 8 * 8, 6)
+        with torch.no_grad():
+            self.loc.weight.mul_(0.05)
+            self.loc.bias.copy_(torch.tensor([1.0, 0.1, 0.0, -0.1, 0.9, 0.05]))
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # [B, 3, 8, 8]
+        theta = self.loc(x.flatten(1)).view(-1, 2, 3)
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.head(self.conv(F.grid_sample(x, grid, align_corners=False)).mean((2, 3)))
+
+
 class GPT(nn.Module):
     def __init__(self, vocab=13, d=8, n_head=2, n_layer=2, max_t=8, tied=False):
         super().__init__()

@@ -40,7 +40,8 @@ def _clipped_on_cuda(model, loss, inputs, targets, **options):
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
 @pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama", "conv_kinds",
-                                  "routed_experts", "spectral_norm", "recurrent", "sequence_ops"])
+                                  "routed_experts", "spectral_norm", "recurrent", "sequence_ops", "sample_indexed",
+                                  "fourier_mixer", "spatial_transformer"])
 def test_cuda_matches_reference(case, schedule):
     c = CASES[case]
     inputs, targets = c.data(4)

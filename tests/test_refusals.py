@@ -180,6 +180,25 @@ def test_indexing_the_sample_dim_out_of_order_is_refused(order):
                    "aten.index.Tensor", "not torch.arange(batch size)")
 
 
+@pytest.mark.parametrize("how", ["fft", "repeat"])
+def test_fourier_transform_or_tiling_along_the_sample_dim_is_refused(how):
+    """torch.fft over the samples' dim, and Tensor.repeat tiling it, put several samples' values in one place
+    (tests/cases.py fourier_mixer: the same ops off the sample dim, exact)."""
+    class AcrossSamples(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 3)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if how == "fft":
+                return torch.fft.fft(h, dim=0).real
+            return h.repeat(2, 1)[: x.shape[0]] + h
+
+    expect_refusal(lambda: run(AcrossSamples(), lambda m, x: m(x).pow(2).sum(1).mean(), (torch.randn(4, 5),)),
+                   "along the sample dim" if how == "fft" else "repeats the sample dim")
+
+
 def test_token_mean_over_whole_batch_is_refused():
     model = M.GPT()
     ids = torch.randint(0, 13, (4, 6))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import attention, collectives, contractions, convolution, elementwise, embedding, reductions, spatial, views
+from . import (attention, collectives, contractions, convolution, elementwise, embedding, reductions, spatial,
+               spectral, views)
 from .elementwise import pointwise
 
 RULES: dict[Any, Any] = {}
 for _family in (views, elementwise, reductions, contractions, convolution, attention, embedding, collectives,
-                spatial):
+                spatial, spectral):
     _twice = RULES.keys() & _family.RULES.keys()
     assert not _twice, f"ops with a rule in two families: {_twice}"
     RULES.update(_family.RULES)

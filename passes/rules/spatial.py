@@ -229,6 +229,24 @@ def _unfold_backward(an, node):
     return s
 
 
+def _grid_sampler(an, node):
+    """grid_sample (and its backward): the input [N, C, *spatial], the grid [N, *out, k] and the output's gradient
+    [N, C, *out] meet only at equal N, which each image reads on its own: every per-sample operand must hold its
+    samples on dim 0, laid out alike, and every output (the backward's input and grid gradients) keeps that."""
+    found = None
+    for a, s in an.tensor_args(node):
+        if not isinstance(s, Batched):
+            continue
+        if s.dim is None:
+            return _for_each_output(node, SINGLE)
+        if s.dim != 0:
+            return fail_layout(an, node, f"{_name(node)} with the samples off the images' dim 0")
+        if found is not None and not _same_layout(found, s):
+            return fail_layout(an, node, f"{_name(node)} with operands whose samples are laid out differently")
+        found = s
+    return _for_each_output(node, FREE if found is None else found)
+
+
 # ---------------------------------------------------------------------------
 _BY_SPATIAL_DIMS = {
     1: (aten.avg_pool1d, aten.max_pool1d, aten.max_pool1d_with_indices, aten.adaptive_avg_pool1d,
@@ -259,6 +277,10 @@ for _k, _packets in _BY_SPATIAL_DIMS.items():
     for _p in _packets:
         RULES[_p] = _spatial(_k)
 RULES[prims._low_memory_max_pool_with_offsets] = _low_memory_max_pool
+for _p in (aten.grid_sampler_2d, aten.grid_sampler_2d_backward, aten.grid_sampler_3d, aten.grid_sampler_3d_backward,
+           aten.cudnn_grid_sampler, aten.cudnn_grid_sampler_backward, aten._grid_sampler_2d_cpu_fallback,
+           aten._grid_sampler_2d_cpu_fallback_backward):
+    RULES[_p] = _grid_sampler
 RULES[prims._low_memory_max_pool_offsets_to_indices] = _low_memory_max_pool
 for _p in (aten.scatter_add, aten.scatter, aten.scatter_reduce):
     RULES[_p] = _scatter

@@ -91,6 +91,20 @@ def _expand(an, node):
     return s.moved(d)
 
 
+def _repeat(an, node):
+    """x.repeat(reps): tiles x (new leading dims for extra reps). Tiling along a dim other than the sample dim
+    keeps every sample's values in its own rows; tiling the sample dim would put copies of all samples in one
+    row block, refused."""
+    x, reps = node.args[0], node.args[1]
+    s = an.st(x)
+    if not isinstance(s, Batched) or s.dim is None:
+        return s
+    d = s.dim + len(reps) - ndim(x)
+    if not known(reps[d] == 1):
+        return fail_layout(an, node, "repeats the sample dim")
+    return s.moved(d)
+
+
 def _slice(an, node):
     x = node.args[0]
     s = an.st(x)
@@ -317,6 +331,7 @@ RULES[aten.t] = _transpose
 RULES[aten.unsqueeze] = _unsqueeze
 RULES[aten.squeeze] = _squeeze
 RULES[aten.expand] = _expand
+RULES[aten.repeat] = _repeat
 RULES[aten.slice] = _slice
 RULES[aten.select] = _select
 for p in (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk):

@@ -503,7 +503,8 @@ class SampleIndexed(nn.Module):
         last = (kept.long().sum(1) - 1).clamp(min=0)  # per-sample positions
         pooled = h[batch, last]  # [B, d]
         first = h.transpose(0, 1)[torch.zeros_like(batch), batch]  # [T, B, d] -> [B, d]
-        return self.head(pooled + 0.5 * first)
+        every = h.transpose(0, 1)[:, batch].mean(0)  # [T, B, d] with a slice before the index: samples on dim 1
+        return self.head(pooled + 0.5 * first + 0.25 * every)
 
 
 class FourierMixer(nn.Module):

@@ -265,7 +265,7 @@ def _index_put_by_sample(an, node, base, indices, values):
         # block's R dims, base's dims after it
         tens = [i for i in indices if i is not None]
         R = max(ndim(i) for i in tens)
-        n_indexed = ndim(base) - len(indices) + R
+        n_indexed = ndim(base) - len(tens) + R  # the dims of base[indices]
         if sv.dim is None or not (known(sv.outer == 1) and known(sv.inner == 1)) or \
                 sv.dim + n_indexed - ndim(values) != start + d:
             return None

@@ -43,6 +43,15 @@ _UNBACKED_BATCH_ADVICE = {
                       "unknown at compile time (dpcompile.mark_batch, Poisson sampling, sharded steps) cannot "
                       "answer: use torch >= 2.13, or another padding mode",
 }
+# A transformers model given labels= computes its own loss (transformers/loss/loss_utils.py): a token mean over
+# the whole batch (not a loss per sample), where dynamo also breaks the graph. Matched on the break's stack.
+_HF_LOSS_MARKERS = ("self.loss_function(", "transformers/loss/")
+_HF_LOSS_ADVICE = (
+    "a Hugging Face model given labels= computes its own loss, a token mean over the whole batch (not a loss per "
+    "sample), and dynamo breaks the graph in it: call the model without labels and compute one loss per sample "
+    "from .logits, e.g. per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), "
+    "reduction='none').view(B, T - 1); loss = per_token.mean(1).mean()"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +94,8 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         return Split(what, _FSDP2_ADVICE)
     text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
     advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
+    if advice is None and any(m in text.replace("\\", "/") for m in _HF_LOSS_MARKERS):
+        advice = _HF_LOSS_ADVICE
     return Split(what, advice or GENERIC_ADVICE)
 
 

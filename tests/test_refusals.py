@@ -199,6 +199,19 @@ def test_fourier_transform_or_tiling_along_the_sample_dim_is_refused(how):
                    "along the sample dim" if how == "fft" else "repeats the sample dim")
 
 
+def test_a_hugging_face_model_given_labels_is_refused_saying_to_compute_the_loss_from_logits():
+    """model(ids, labels=ids).loss is transformers' token mean over the whole batch, where dynamo breaks the
+    graph: the refusal says to call the model without labels and make one loss per sample from its logits."""
+    import transformers  # the test extra's
+
+    cfg = transformers.GPT2Config(vocab_size=29, n_positions=8, n_embd=12, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(1, 29, (4, 6))
+    expect_refusal(lambda: run(model, lambda m, ids: m(input_ids=ids, labels=ids).loss, (ids,)),
+                   "given labels=", "without labels", "reduction='none'")
+
+
 def test_token_mean_over_whole_batch_is_refused():
     model = M.GPT()
     ids = torch.randint(0, 13, (4, 6))

@@ -33,6 +33,8 @@ the fastest non-private step of the same shape and dtype.
     python benchmarks/anchors.py --merge a.json b.json ... --out all.json --plot anchors.png --markdown
     NCCL_NVLS_ENABLE=0 python benchmarks/anchors.py --fork-path .whl/fork --nproc 2 \
         --modes opacus:ghost_fsdp,fork:flash_fsdp_bk                 # the FSDP modes, one torchrun per mode
+    python benchmarks/anchors.py --shard --nproc 2 --modes nonprivate,bk --bucket-mb 64 [--overlap]
+                                                                     # bucketed collectives: rows "bk b64"
 
 Shapes are MODEL:BxT (B samples per GPU, T tokens): gpt = GPT-2-small (12
 layers, d=768, 12 heads, vocab 50257), llama = Llama-3.2-1B (16 layers,

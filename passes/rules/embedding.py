@@ -64,19 +64,18 @@ def sample_iota_dim(an, i: fx.Node) -> int | None:
     if i.meta["val"].dtype not in (torch.int64, torch.int32):  # a bool index is a mask; narrower ints could wrap
         return None
     t = i.target
-    if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
-        a = [_size_value(x) for x in i.args]
-        start, end, step = (0, a[0], 1) if t is aten.arange.default else (a[0], a[1], a[2] if len(a) > 2 else 1)
+    if t in (aten.arange.default, aten.arange.start, aten.arange.start_step, torch.ops.prims.iota.default):
+        if t is torch.ops.prims.iota.default:  # what arange decomposes to
+            start, end, step = i.kwargs.get("start", 0), i.args[0], i.kwargs.get("step", 1)
+        else:
+            a = list(i.args)
+            start, end, step = (0, a[0], 1) if t is aten.arange.default else (a[0], a[1], a[2] if len(a) > 2 else 1)
+        start, end, step = (_size_value(v) for v in (start, end, step))
         return 0 if known(start == 0) and known(step == 1) and an.B is not None and known(end == an.B) else None
-    if t is torch.ops.prims.iota.default:  # what arange decomposes to
-        start, step = _size_value(i.kwargs.get("start", 0)), _size_value(i.kwargs.get("step", 1))
-        end = _size_value(i.args[0])
-        return 0 if known(start == 0) and known(step == 1) and an.B is not None and known(end == an.B) else None
-    if t in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar) and len(i.args) == 2 and \
-            isinstance(i.args[1], int) and i.args[1] == 0 and i.kwargs.get("alpha", 1) == 1:
-        src = i.args[0]  # an offset of zero (transformers adds its mask's offsets to the aranges)
-        return sample_iota_dim(an, src) if isinstance(src, fx.Node) and ndim(src) == ndim(i) else None
-    if t in _SAME_VALUES:
+    # an offset of zero (transformers adds its mask's offsets to the aranges)
+    zero_offset = t in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar) and \
+        len(i.args) == 2 and isinstance(i.args[1], int) and i.args[1] == 0 and i.kwargs.get("alpha", 1) == 1
+    if zero_offset or t in _SAME_VALUES:
         src = i.args[0]
         return sample_iota_dim(an, src) if isinstance(src, fx.Node) and ndim(src) == ndim(i) else None
     if not i.args or not isinstance(i.args[0], fx.Node):
@@ -101,6 +100,17 @@ def sample_iota_dim(an, i: fx.Node) -> int | None:
     return None
 
 
+def _indexed_block(indices) -> tuple[list[int], int, int]:
+    """For x[indices] (index tensors and Nones): the positions of the index tensors, the number R of dims they
+    broadcast to, and where those R dims start in the result. Numpy's rule: adjacent index tensors put them
+    where they stood, separated ones first."""
+    tens = [(p, i) for p, i in enumerate(indices) if i is not None]
+    positions = [p for p, _ in tens]
+    R = max(ndim(i) for _, i in tens)
+    start = positions[0] if positions == list(range(positions[0], positions[-1] + 1)) else 0
+    return positions, R, start
+
+
 def _by_sample_layout(an, indices, s: int) -> tuple[int, int] | None:
     """For x[indices] (or its index_put) with a sample iota on x's sample dim s: (where the indexed block starts
     in the result, the iota's dim within that block), provided every other index tensor is sample-free or
@@ -110,19 +120,15 @@ def _by_sample_layout(an, indices, s: int) -> tuple[int, int] | None:
     d_i = sample_iota_dim(an, indices[s])
     if d_i is None:
         return None
-    tens = [(p, i) for p, i in enumerate(indices) if i is not None]
-    R = max(ndim(i) for _, i in tens)
+    positions, R, start = _indexed_block(indices)
     d = R - ndim(indices[s]) + d_i
-    for p, i in tens:
-        si = an.st(i)
+    for p in positions:
+        si = an.st(indices[p])
         if p == s or si is FREE:
             continue
         if not (isinstance(si, Batched) and si.dim is not None and known(si.outer == 1) and known(si.inner == 1)
-                and R - ndim(i) + si.dim == d):
+                and R - ndim(indices[p]) + si.dim == d):
             return None
-    positions = [p for p, _ in tens]
-    # numpy's rule: adjacent index tensors put their broadcast dims where they stood, separated ones first
-    start = positions[0] if positions == list(range(positions[0], positions[-1] + 1)) else 0
     return start, d
 
 
@@ -211,11 +217,7 @@ def _index_put_off_sample_dim(an, node, base, indices, values, mask):
     tens = [(p, i) for p, i in enumerate(indices) if i is not None]
     if not tens or any(an.st(i) is not FREE for _, i in tens) or (mask is not None and an.st(mask) is not FREE):
         return None
-    positions = [p for p, _ in tens]
-    R = max(ndim(i) for _, i in tens)
-    # base[indices]: adjacent index tensors put their R broadcast dims where they stood, separated ones put
-    # them first (numpy's rule); values broadcast to that shape
-    start = positions[0] if positions == list(range(positions[0], positions[-1] + 1)) else 0
+    positions, R, start = _indexed_block(indices)  # values broadcast to base[indices]'s shape
     kept = [d for d in range(ndim(base)) if d not in positions]
     base_dim = kept[:start] + [None] * R + kept[start:]  # the base dim of each dim of base[indices]
     lay = None
@@ -263,9 +265,8 @@ def _index_put_by_sample(an, node, base, indices, values):
     if isinstance(sv, Batched):
         # values broadcast (right-aligned) to base[indices]'s shape: base's dims before the indexed block, the
         # block's R dims, base's dims after it
-        tens = [i for i in indices if i is not None]
-        R = max(ndim(i) for i in tens)
-        n_indexed = ndim(base) - len(tens) + R  # the dims of base[indices]
+        positions, R, _ = _indexed_block(indices)
+        n_indexed = ndim(base) - len(positions) + R  # the dims of base[indices]
         if sv.dim is None or not (known(sv.outer == 1) and known(sv.inner == 1)) or \
                 sv.dim + n_indexed - ndim(values) != start + d:
             return None

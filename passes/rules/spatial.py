@@ -46,21 +46,28 @@ def _for_each_output(node: fx.Node, state):
     return tuple(state for _ in v) if isinstance(v, (tuple, list)) else state
 
 
-def _leading_layout(an, node: fx.Node, k: int):
-    """The one layout of node's per-sample tensor operands, each checked to hold its samples before its
-    last k (spatial) dims. Every operand of these ops has the output's number of dims, so the output's
-    sample dim is the operands'."""
+def _one_layout(an, node: fx.Node, allowed, why: str):
+    """The one layout of node's per-sample tensor operands, each checked by allowed(operand, its state) (else
+    refused with why); SINGLE if one is a single sample's, None if none is per sample."""
     found = None
     for a, s in an.tensor_args(node):
         if not isinstance(s, Batched):
             continue
         if s.dim is None:
             return SINGLE
-        if s.dim >= ndim(a) - k:
-            return fail_layout(an, node, f"{_name(node)} mixes along the sample dim")
+        if not allowed(a, s):
+            return fail_layout(an, node, f"{_name(node)} {why}")
         if found is not None and not _same_layout(found, s):
             return fail_layout(an, node, f"{_name(node)} combines per-sample operands with different sample layouts")
         found = s
+    return found
+
+
+def _leading_layout(an, node: fx.Node, k: int):
+    """The one layout of node's per-sample tensor operands, each checked to hold its samples before its
+    last k (spatial) dims. Every operand of these ops has the output's number of dims, so the output's
+    sample dim is the operands'."""
+    found = _one_layout(an, node, lambda a, s: s.dim < ndim(a) - k, "mixes along the sample dim")
     return found if found is not None else SINGLE
 
 
@@ -233,17 +240,7 @@ def _grid_sampler(an, node):
     """grid_sample (and its backward): the input [N, C, *spatial], the grid [N, *out, k] and the output's gradient
     [N, C, *out] meet only at equal N, which each image reads on its own: every per-sample operand must hold its
     samples on dim 0, laid out alike, and every output (the backward's input and grid gradients) keeps that."""
-    found = None
-    for a, s in an.tensor_args(node):
-        if not isinstance(s, Batched):
-            continue
-        if s.dim is None:
-            return _for_each_output(node, SINGLE)
-        if s.dim != 0:
-            return fail_layout(an, node, f"{_name(node)} with the samples off the images' dim 0")
-        if found is not None and not _same_layout(found, s):
-            return fail_layout(an, node, f"{_name(node)} with operands whose samples are laid out differently")
-        found = s
+    found = _one_layout(an, node, lambda a, s: s.dim == 0, "with the samples off the images' dim 0")
     return _for_each_output(node, FREE if found is None else found)
 
 

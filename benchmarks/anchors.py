@@ -33,8 +33,9 @@ the fastest non-private step of the same shape and dtype.
     python benchmarks/anchors.py --merge a.json b.json ... --out all.json --plot anchors.png --markdown
     NCCL_NVLS_ENABLE=0 python benchmarks/anchors.py --fork-path .whl/fork --nproc 2 \
         --modes opacus:ghost_fsdp,fork:flash_fsdp_bk                 # the FSDP modes, one torchrun per mode
-    python benchmarks/anchors.py --shard --nproc 2 --modes nonprivate,bk --bucket-mb 64 [--overlap]
-                                                                     # bucketed collectives: rows "bk b64"
+    python benchmarks/anchors.py --shard --nproc 2 --modes nonprivate,bk --bucket-mb off
+                                       # unbucketed collectives (rows "bk unbucketed"); fully_shard's default
+                                       # is 64 MiB buckets, overlapped; --bucket-mb 16 [--overlap]: rows "bk b16"
 
 Shapes are MODEL:BxT (B samples per GPU, T tokens): gpt = GPT-2-small (12
 layers, d=768, 12 heads, vocab 50257), llama = Llama-3.2-1B (16 layers,
@@ -90,6 +91,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -472,14 +474,16 @@ def worker(spec: dict) -> int:
     torch.set_float32_matmul_precision("high")  # TF32 matmuls for fp32 (bf16 autocast does not care)
     for key, value in (spec.get("inductor_config") or {}).items():
         setattr(*inductor_setting(key), value)
-    if spec.get("bucket_mb") and MODES[spec["mode"]][0] in ("torch", "dpcompile"):
-        import dpcompile
-
-        dpcompile.bucket_collectives(spec["bucket_mb"], overlap=spec.get("overlap", False))
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "ranks": int(os.environ.get("WORLD_SIZE", 1))}
     try:
         result.update(library_info(spec))  # first: a failing mode's row also says which opacus it ran
+        if spec.get("bucket_mb") and compiled_mode(spec["mode"]):  # else fully_shard's default (sharded)
+            sys.path.insert(0, ROOT)  # as build_model: dpcompile from this checkout
+            import dpcompile
+
+            off = spec["bucket_mb"] == "off"
+            dpcompile.bucket_collectives(None if off else spec["bucket_mb"], overlap=spec.get("overlap", False))
         result.update(measure(spec, device))
     except Exception as exc:  # noqa: BLE001 - any failure of the mode is a result, not a crash
         result.update(failure(exc))
@@ -494,6 +498,19 @@ def worker(spec: dict) -> int:
 
 
 # ----------------------------------------------------------------------------- the parent: jobs, table, chart
+
+def bucket_size(text: str) -> float | str:
+    """--bucket-mb: a positive number of MiB, or 'off'."""
+    if text == "off":
+        return text
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = 0.0
+    if not 0 < mb < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of MiB or 'off', got {text!r}")
+    return mb
+
 
 def parse_shape(text: str) -> tuple[str, int, int]:
     model, _, bt = text.partition(":")
@@ -532,8 +549,13 @@ def parse_setting(text: str) -> tuple[str, object]:
 def distributed(spec: dict) -> bool:
     """Whether the mode runs in a process group: Opacus' and the fork's FSDP modes, and with --shard the
     non-private and dp_fsdp modes."""
-    lib, _, fsdp = MODES[spec["mode"]]
-    return fsdp or (spec["shard"] and lib in ("torch", "dpcompile"))
+    return MODES[spec["mode"]][2] or (spec["shard"] and compiled_mode(spec["mode"]))
+
+
+def compiled_mode(mode: str) -> bool:
+    """The non-private step and dpcompile's modes: Inductor compiles them, fully_shard shards them (--shard),
+    and Inductor's collective bucketing (--bucket-mb) applies to them."""
+    return MODES[mode][0] in ("torch", "dpcompile")
 
 
 def _process_tree(pid: int) -> list[tuple[int, str]]:
@@ -674,9 +696,19 @@ def launch(spec: dict, *, nproc: int, timeout: float, log_dir: str | None) -> di
             return json.loads(line[len(RESULT_TAG):])
     if rc is None:
         return {**base, "status": "timeout", "reason": f"no result within {timeout:.0f} s"}
-    tail = [ln for ln in err.splitlines() if ln.strip()][-1:] or ["(no output)"]
     status = "OOM" if "out of memory" in err.lower() else "fail"
-    return {**base, "status": status, "reason": f"child exited with {rc}: {tail[0].strip()[:250]}"}
+    return {**base, "status": status, "reason": f"child exited with {rc}: {last_error(err)[:250]}"}
+
+
+def last_error(err: str) -> str:
+    """The line of a child's stderr that says why it failed: the last exception line of a traceback (torchrun
+    ends a failed rank's output with a banner of '=' and a summary, which say nothing of the cause), else the
+    last line that is not the banner."""
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if re.match(r"^(?:[a-z_]\w*\.)*[A-Z]\w*(?:: .+|$)", line):  # [module.]ExceptionClass[: message]
+            return line
+    return next((ln for ln in reversed(lines) if set(ln) != {"="}), "(no output)")
 
 
 def skip_reason(spec: dict, *, nproc: int) -> str | None:
@@ -709,11 +741,12 @@ def label(r: dict) -> str:
 
 
 def mode_name(r: dict) -> str:
-    """The mode, and the collective bucketing it compiled with (--bucket-mb): a bucketed run of a mode is a row
-    of its own beside the unbucketed one."""
-    compiled = MODES.get(r["mode"], ("",))[0] in ("torch", "dpcompile")
-    if not (r.get("bucket_mb") and compiled):
+    """The mode, and the collective bucketing it compiled with where not fully_shard's default (--bucket-mb):
+    such a run is a row of its own beside the default one."""
+    if not (r.get("bucket_mb") and r["mode"] in MODES and compiled_mode(r["mode"])):
         return r["mode"]
+    if r["bucket_mb"] == "off":
+        return f"{r['mode']} unbucketed"
     return f"{r['mode']} b{r['bucket_mb']:g}" + ("+overlap" if r.get("overlap") else "")
 
 
@@ -957,11 +990,12 @@ def main(argv=None) -> int:
                     help="ranks for the FSDP modes (and --shard); default: the number of GPUs")
     ap.add_argument("--shard", action="store_true",
                     help="non-private and dp_fsdp modes sharded with dpcompile.fully_shard over --nproc ranks")
-    ap.add_argument("--bucket-mb", type=float, default=None,
+    ap.add_argument("--bucket-mb", type=bucket_size, default=None,
                     help="compiled modes (non-private and dpcompile): dpcompile.bucket_collectives(MiB), Inductor's "
-                         "bucketing of the sharded step's all-gathers and reduce-scatters; rows marked bMB")
+                         "bucketing of the sharded step's all-gathers and reduce-scatters, rows marked bMB; 'off': "
+                         "unbucketed, rows marked so; default: fully_shard's (64 MiB, overlapped)")
     ap.add_argument("--overlap", action="store_true",
-                    help="with --bucket-mb: also Inductor's compute/communication reordering")
+                    help="with --bucket-mb MiB: also Inductor's compute/communication reordering")
     ap.add_argument("--llama-tied", action="store_true", help="tie Llama's LM head to its embedding (Opacus refuses)")
     ap.add_argument("--mode-timeout", type=float, default=600, help="seconds one mode may take, compile included")
     ap.add_argument("--logs", default=None, help="directory for each mode's full output")
@@ -1013,10 +1047,8 @@ def main(argv=None) -> int:
         args.iters = args.iters if args.iters is not None else (3 if args.tiny else 10)
         if args.iters < 1 or args.warmup < 0:
             ap.error("--iters must be at least 1 and --warmup at least 0")
-        if args.bucket_mb is not None and not args.bucket_mb > 0:
-            ap.error("--bucket-mb must be a positive number of MiB")
-        if args.overlap and args.bucket_mb is None:
-            ap.error("--overlap needs --bucket-mb")
+        if args.overlap and args.bucket_mb in (None, "off"):
+            ap.error("--overlap needs --bucket-mb MiB (fully_shard's default overlaps already)")
         if args.nproc is None:
             import torch
 

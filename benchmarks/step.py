@@ -5,7 +5,9 @@
     torchrun --nproc_per_node=4 benchmarks/step.py --model llama  # Llama-3.2-1B shape
     python benchmarks/step.py --tiny                              # CPU smoke run (gloo, 1 rank)
     python benchmarks/step.py --tiny --model llama
-    torchrun --nproc_per_node=4 benchmarks/step.py --bucket-mb 64 [--overlap]  # bucketed collectives
+    torchrun --nproc_per_node=4 benchmarks/step.py --bucket-mb off   # unbucketed (fully_shard's default:
+                                                                      # 64 MiB buckets, overlapped)
+    torchrun --nproc_per_node=4 benchmarks/step.py --bucket-mb 16 [--overlap]  # other buckets
     python benchmarks/step.py --batch 4 --cudagraphs                  # CUDA graphs in every mode
     torchrun --nproc_per_node=2 benchmarks/step.py --model llama --parallel tp     # tensor parallel (bf16 params)
     torchrun --nproc_per_node=2 benchmarks/step.py --model llama --parallel tp-sp  # ... with sequence parallel
@@ -44,6 +46,7 @@ import dpcompile  # noqa: E402
 from train_gpt_dp import GPT  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from anchors import bucket_size  # noqa: E402
 from llama import Llama  # noqa: E402
 
 
@@ -226,10 +229,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke configuration")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="directory for one profiled step per mode")
-    ap.add_argument("--bucket-mb", type=float, default=None,
-                    help="dpcompile.bucket_collectives(MiB) for every mode (non-private too); default: unbucketed")
+    ap.add_argument("--bucket-mb", type=bucket_size, default=None,
+                    help="dpcompile.bucket_collectives(MiB) for every mode (non-private too), or 'off'; default: "
+                         "fully_shard's (64 MiB, overlapped; --parallel tp/tp-sp: unbucketed)")
     ap.add_argument("--overlap", action="store_true",
-                    help="with --bucket-mb: also Inductor's compute/communication reordering (every mode)")
+                    help="with --bucket-mb MiB: also Inductor's compute/communication reordering (every mode)")
     ap.add_argument("--cudagraphs", action="store_true",
                     help="CUDA graphs: mode='reduce-overhead' for the non-private step, cudagraphs=True for dp_fsdp")
     ap.add_argument("--parallel", choices=["fsdp", "tp", "tp-sp"], default="fsdp",
@@ -238,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--combo-kernels", action="store_true",
                     help="Inductor combo kernels (independent small kernels launched as one), every mode")
     args = ap.parse_args(argv)
+    if args.overlap and args.bucket_mb in (None, "off"):
+        ap.error("--overlap needs --bucket-mb MiB (fully_shard's default overlaps already)")
     shape = {"gpt": dict(layers=12, d=768, heads=12, vocab=50257),  # GPT-2 small
              "llama": dict(layers=16, d=2048, heads=32, vocab=128256)}[args.model]  # Llama-3.2-1B
     for k, v in shape.items():
@@ -258,7 +264,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (world,))
     if args.bucket_mb:
-        dpcompile.bucket_collectives(args.bucket_mb, overlap=args.overlap)
+        dpcompile.bucket_collectives(None if args.bucket_mb == "off" else args.bucket_mb, overlap=args.overlap)
     if args.combo_kernels:  # the DP step launches ~2x the kernels; a launch-bound step may gain from fewer
         torch._inductor.config.combo_kernels = True
     results = []

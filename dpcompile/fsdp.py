@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dpcompile.batching import mark_traced_batch
+from dpcompile.bucketing import default_bucketing
 from dpcompile.compat import dtensor_takes_unbacked_batch
 
 
@@ -209,6 +210,10 @@ def fully_shard(
     On a model parallelized over ``mesh["tp"]`` (torch's parallelize_module),
     pass ``mesh=mesh["dp"]`` of the same device mesh: the tensor-parallel
     parameters become 2-D DTensors on (dp, tp) (the module docstring).
+    The first call turns on Inductor's bucketing of the graphs' collectives
+    (64 MiB, overlapped with compute) unless ``dpcompile.bucket_collectives``
+    was called or Inductor's bucketing was set otherwise: a sharded step is
+    latency-bound without it (BENCHMARKS.md).
     """
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"fully_shard needs a DeviceMesh, got {type(mesh).__name__}")
@@ -263,6 +268,7 @@ def fully_shard(
             module.register_forward_hook(_cast_output_hook(mp.output_dtype))
         module._dpcompile_mp_hooks = True
     module._dpcompile_mesh = mesh
+    default_bucketing()  # bucketed, overlapped collectives unless the user chose (dpcompile.bucketing)
     return module
 
 

@@ -37,6 +37,7 @@ def pytest_collection_modifyitems(config, items):
     groups are split across workers and each worker recomputes the sharded matrix's shared results: CI time
     doubles and concurrent identical compiles race on the compile cache. Those tests fail at setup instead
     (an error raised here would be lost in xdist's internal error)."""
+    _skip_upstream_bugs(items)
     if os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False):
         _UNGROUPED.extend(item for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid)
 
@@ -46,3 +47,22 @@ def pytest_runtest_setup(item):
         pytest.fail(f"pytest-xdist's --dist loadgroup did not tag this test with its xdist_group: this pytest "
                     f"({pytest.__version__}) and pytest-xdist do not work together; install the test extra's "
                     f"versions (pip install -e '.[test]') or run with -n 0", pytrace=False)
+
+
+# torch bugs that fail stock torch.compile the same way (checked on the device's torch 2.11, without dpcompile):
+# (case, test modules it fails in, torch versions before which it fails, why)
+_UPSTREAM_BUGS = [
+    ("fourier_mixer", ("test_per_sample_clipping", "test_aligned_contractions"), (2, 13),
+     "torch < 2.13: Inductor on CPU asserts the strides of _fft_r2c's meta kernel, which differ from the CPU "
+     "kernel's for a transform over a dim other than the last (stock torch.compile of the model fails the same way)"),
+]
+
+
+def _skip_upstream_bugs(items):
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for case, modules, fixed_in, why in _UPSTREAM_BUGS:
+            if (version < fixed_in and params.get("case") == case and item.module.__name__.rsplit(".", 1)[-1] in modules
+                    and params.get("compiler", "inductor") == "inductor"):
+                item.add_marker(pytest.mark.skip(reason=why))

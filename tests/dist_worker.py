@@ -53,7 +53,9 @@ def shard(model, mesh, reshard_after_forward=True):
 def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_forward, out_dir=None,
                 mesh_shape=None, pad_contractions=False, bucket_mb=None, overlap=False, compiler="inductor"):
     mesh = _init(rank, world, init_file, mesh_shape)
-    if bucket_mb:  # Inductor's collective bucketing, as a user would turn it on
+    if bucket_mb == "off":  # unbucketed: dpcompile's own collective passes, one collective per parameter
+        dpcompile.bucket_collectives(None)
+    elif bucket_mb:  # a cap the user chose; None: fully_shard's default (64 MiB, overlapped)
         dpcompile.bucket_collectives(bucket_mb, overlap=overlap)
     if pad_contractions:  # the CUDA padding rule, forced on for CPU float32
         from dpcompile.passes import aligned_contractions
@@ -104,6 +106,8 @@ def _correct(mesh, rank, world, case, schedule, sizes, reshard_after_forward=Tru
         full = p.grad.full_tensor()
         torch.testing.assert_close(full.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     rec = [r for r in backend.compiled if r.dp][0]
+    from torch._inductor import config as inductor_config
+
     counts = {
         phase: {kind: sum(kind in op for op, _ in rec.ops[phase]) for kind in ("reduce_scatter", "all_gather")}
         for phase in ("forward", "backward")
@@ -111,6 +115,9 @@ def _correct(mesh, rank, world, case, schedule, sizes, reshard_after_forward=Tru
     return {"counts": counts, "n_params": sum(1 for p in model.parameters() if p.requires_grad),
             "n_linear": sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear)), "counters": rec.counters,
             "summary_collectives": rec.summary["collectives"], "issued": issued,
+            "bucketing": [inductor_config.bucket_reduce_scatters_fx, inductor_config.reorder_for_compute_comm_overlap,
+                          inductor_config.bucket_reduce_scatters_fx_bucket_size_determinator(0)
+                          if inductor_config.bucket_reduce_scatters_fx != "none" else None],
             "model": model, "step": (step, local, C, ebs)}
 
 

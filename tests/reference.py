@@ -69,9 +69,10 @@ def dp_reference(
         except RuntimeError as exc:  # ops vmap has no batching rule for (nn.LSTM's fused kernels),
             # activation checkpointing (torch.func cannot take its saved-tensor hooks, torch 2.13; nor its
             # _NoopSaveInputs function, 2.11) and Python branches on tensor values (transformers asks whether
-            # an attention mask masks anything): the loop
+            # an attention mask masks anything), and grid_sample's backward under vmap (torch 2.11: "Expected a
+            # proper Tensor but got None"): the loop
             if not any(m in str(exc) for m in ("batch", "shape", "saved tensor hooks", "vmap support",
-                                               "data-dependent control flow")):
+                                               "data-dependent control flow", "proper Tensor but got None")):
                 raise
             return dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=max_grad_norm,
                                 reduction=reduction, expected_batch_size=expected_batch_size, eps=eps,

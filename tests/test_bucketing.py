@@ -32,3 +32,32 @@ def test_bucketing_on_and_off():
     assert (config.bucket_all_gathers_fx, config.bucket_reduce_scatters_fx, config.bucket_all_reduces_fx) == (
         "none", "none", "none")
     assert config.reorder_for_compute_comm_overlap is False
+
+
+_UNSET = {"bucket_all_gathers_fx": "none", "bucket_reduce_scatters_fx": "none", "bucket_all_reduces_fx": "none",
+          "reorder_for_compute_comm_overlap": False}
+
+
+def test_fully_shard_turns_bucketing_on_unless_the_user_chose(monkeypatch):
+    """The default (64 MiB, overlapped) where nothing was chosen; a bucket_collectives call, None included, or
+    Inductor's bucketing set by hand stands."""
+    from dpcompile import bucketing
+
+    with config.patch(_UNSET):
+        monkeypatch.setattr(bucketing, "_CHOSEN", [False])
+        assert bucketing.default_bucketing() is True
+        assert (config.bucket_all_gathers_fx, config.bucket_reduce_scatters_fx, config.bucket_all_reduces_fx) == (
+            "all", "all", "all")
+        assert config.bucket_all_gathers_fx_bucket_size_determinator(0) == bucketing.DEFAULT_BUCKET_MB == 64.0
+        assert config.reorder_for_compute_comm_overlap is True
+    with config.patch(_UNSET):
+        dpcompile.bucket_collectives(None)  # the user's "unbucketed", before fully_shard
+        assert bucketing.default_bucketing() is False
+        assert config.bucket_all_gathers_fx == "none" and config.reorder_for_compute_comm_overlap is False
+    with config.patch({**_UNSET, "bucket_all_gathers_fx": "fsdp"}):  # set by hand
+        monkeypatch.setattr(bucketing, "_CHOSEN", [False])
+        assert bucketing.default_bucketing() is False
+        assert config.bucket_reduce_scatters_fx == "none" and config.reorder_for_compute_comm_overlap is False
+    with config.patch({**_UNSET, "reorder_for_compute_comm_overlap": True}):
+        assert bucketing.default_bucketing() is False
+        assert config.bucket_all_gathers_fx == "none"

@@ -136,9 +136,11 @@ def test_cpp_wrapper_sharded(tmp_path):
 
 @pytest.mark.parametrize("case,schedule", [("gpt", "bk"), ("llama", "ghost")])
 def test_collectives_per_phase(case, schedule, tmp_path):
-    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path))
+    """Unbucketed (bucket_collectives(None)): dpcompile's own placement of one collective per parameter."""
+    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, "off")
     for rep in _read(tmp_path):
         counts, n = rep["counts"], rep["n_params"]
+        assert rep["bucketing"] == ["none", False, None], rep
         assert counts["backward"]["reduce_scatter"] == n  # one per gradient: none in a ghost first pass
         assert counts["forward"]["reduce_scatter"] == 0
         assert counts["forward"]["all_gather"] == n
@@ -167,13 +169,14 @@ def test_padded_contractions_on_a_sharded_model(tmp_path):
         assert 0 < rep["counts"]["backward"]["all_gather"] <= rep["n_params"]
 
 
-@pytest.mark.parametrize("case,schedule,overlap", [("gpt", "bk", False), ("llama", "ghost", True)])
-def test_bucketed_collectives_stay_exact(case, schedule, overlap, tmp_path):
-    """dpcompile.bucket_collectives: Inductor merges the gathers and the clipped gradients' reduce-scatters
-    after the dp rewrite (and with overlap, reorders them against compute); the gradients stay exact and
-    far fewer collectives are issued."""
-    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, 64, overlap)
+@pytest.mark.parametrize("case,schedule,bucket_mb", [("gpt", "bk", 16), ("llama", "ghost", None)])
+def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, tmp_path):
+    """Inductor merges the gathers and the clipped gradients' reduce-scatters after the dp rewrite, and
+    reorders them against compute: fully_shard's default (None), or dpcompile.bucket_collectives(16) without
+    reordering. The gradients stay exact and far fewer collectives are issued."""
+    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, bucket_mb, False)
     for rep in _read(tmp_path):
+        assert rep["bucketing"] == (["all", True, 64.0] if bucket_mb is None else ["all", False, 16.0]), rep
         n, issued = rep["n_params"], rep["issued"]
         assert 0 < issued["reduce_scatter_tensor"] < n / 4, issued
         gathers = issued["all_gather_into_tensor"] + issued["all_gather_into_tensor_out"]

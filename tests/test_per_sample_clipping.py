@@ -30,6 +30,24 @@ def test_matches_reference(case, schedule, compiler):
         assert "wpe.weight" not in record.summary["params"]
 
 
+@pytest.mark.parametrize("case,schedule", [("sample_indexed", "bk"), ("hf_llama", "ghost")])
+def test_exact_with_inductors_collective_reordering(case, schedule):
+    """fully_shard turns on Inductor's compute/communication reordering for every graph compiled afterwards. With
+    it on, Inductor keeps no-op slices in the graphs (so every rank's is the same), and the arange indexing the
+    samples reached the analysis sliced: refused as "not torch.arange(batch size)" until the analysis looked
+    through a slice of the whole dim."""
+    from torch._inductor import config as inductor_config
+
+    c = CASES[case]
+    inputs, targets = c.data(4)
+    dpcompile.mark_batch(*inputs, *targets)  # an unbacked batch size, as sharded: the slice is not dropped as 4:4
+    with inductor_config.patch(reorder_for_compute_comm_overlap=True):
+        backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule,
+                                          reduction=c.reduction)
+    (record,) = [r for r in backend.compiled if r.dp]
+    check_case_invariants(case, record.counters, record.summary)
+
+
 # at a batch of one the gradient is clipped whole whatever the schedule: one schedule per case, alternating
 @pytest.mark.parametrize("case,schedule", [(case, ("bk", "ghost")[i % 2]) for i, case in enumerate(sorted(CASES))])
 def test_batch_of_one(case, schedule):

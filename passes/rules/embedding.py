@@ -75,7 +75,7 @@ def sample_iota_dim(an, i: fx.Node) -> int | None:
     # an offset of zero (transformers adds its mask's offsets to the aranges)
     zero_offset = t in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar) and \
         len(i.args) == 2 and isinstance(i.args[1], int) and i.args[1] == 0 and i.kwargs.get("alpha", 1) == 1
-    if zero_offset or t in _SAME_VALUES:
+    if zero_offset or t in _SAME_VALUES or _whole_slice(i):
         src = i.args[0]
         return sample_iota_dim(an, src) if isinstance(src, fx.Node) and ndim(src) == ndim(i) else None
     if not i.args or not isinstance(i.args[0], fx.Node):
@@ -98,6 +98,17 @@ def sample_iota_dim(an, i: fx.Node) -> int | None:
             return None
         return keep_new[keep_old.index(d)] if d in keep_old else None
     return None
+
+
+def _whole_slice(i: fx.Node) -> bool:
+    """x[..., 0:n] with n at least the dim's size: a no-op, which Inductor keeps in the graph where it reorders
+    collectives (every rank's graph alike; fully_shard's default) instead of removing it."""
+    if i.target is not aten.slice.Tensor or not isinstance(i.args[0], fx.Node):
+        return False
+    src, dim, start, end, step = (list(i.args) + [0, None, None, 1][len(i.args) - 1:])[:5]
+    d = norm_dim(dim, ndim(src))
+    return (known(_size_value(0 if start is None else start) == 0) and known(_size_value(step) == 1)
+            and known(shape_of(i)[d] == shape_of(src)[d]))
 
 
 def _indexed_block(indices) -> tuple[list[int], int, int]:

@@ -23,6 +23,7 @@ step 52.6 -> 31.2 ms, the bk step 90.7 -> 45.2 ms.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 from dpcompile.config import _is_real
@@ -77,6 +78,9 @@ def default_bucketing() -> bool:
     if _CHOSEN[0] or configured:
         return False
     _set(DEFAULT_BUCKET_MB, True)
+    logging.getLogger("dpcompile").info(
+        "fully_shard: Inductor's collective bucketing (%g MiB buckets) and compute/communication reordering are on "
+        "for every graph compiled from now on; dpcompile.bucket_collectives(None) turns them off", DEFAULT_BUCKET_MB)
     return True
 
 

@@ -38,14 +38,15 @@ _UNSET = {"bucket_all_gathers_fx": "none", "bucket_reduce_scatters_fx": "none", 
           "reorder_for_compute_comm_overlap": False}
 
 
-def test_fully_shard_turns_bucketing_on_unless_the_user_chose(monkeypatch):
-    """The default (64 MiB, overlapped) where nothing was chosen; a bucket_collectives call, None included, or
-    Inductor's bucketing set by hand stands."""
+def test_fully_shard_turns_bucketing_on_unless_the_user_chose(monkeypatch, caplog):
+    """The default (64 MiB, overlapped) where nothing was chosen, logged with how to turn it off; a
+    bucket_collectives call, None included, or Inductor's bucketing set by hand stands."""
     from dpcompile import bucketing
 
-    with config.patch(_UNSET):
+    with config.patch(_UNSET), caplog.at_level("INFO", logger="dpcompile"):
         monkeypatch.setattr(bucketing, "_CHOSEN", [False])
         assert bucketing.default_bucketing() is True
+        assert "bucket_collectives(None) turns them off" in caplog.text
         assert (config.bucket_all_gathers_fx, config.bucket_reduce_scatters_fx, config.bucket_all_reduces_fx) == (
             "all", "all", "all")
         assert config.bucket_all_gathers_fx_bucket_size_determinator(0) == bucketing.DEFAULT_BUCKET_MB == 64.0

@@ -105,7 +105,8 @@ def _whole_slice(i: fx.Node) -> bool:
     collectives (every rank's graph alike; fully_shard's default) instead of removing it."""
     if i.target is not aten.slice.Tensor or not isinstance(i.args[0], fx.Node):
         return False
-    src, dim, start, end, step = (list(i.args) + [0, None, None, 1][len(i.args) - 1:])[:5]
+    src = i.args[0]
+    dim, start, _end, step = (*i.args[1:], *(0, None, None, 1)[len(i.args) - 1:])  # slice's defaults filled in
     d = norm_dim(dim, ndim(src))
     return (known(_size_value(0 if start is None else start) == 0) and known(_size_value(step) == 1)
             and known(shape_of(i)[d] == shape_of(src)[d]))

@@ -25,6 +25,7 @@ from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
                               hf_expand_position_ids, hint_mix_order_split, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
+from dpcompile.bucketing import cpp_wrapper_patches
 from dpcompile.bilinear import bilinear_as_matmul
 from dpcompile.config import DPConfig
 from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
@@ -624,10 +625,13 @@ class DPBackend:
                 f"fall back to eager execution, which would produce non-private gradients."
             ) from e
 
-    def _codegen_patches(self) -> dict:
+    def _codegen_patches(self, *, collectives: bool) -> dict:
         """Inductor settings of the code it generates that the options choose (cpp_wrapper only when asked for:
-        a global ``torch._inductor.config.cpp_wrapper = True`` stays in force otherwise)."""
+        a global ``torch._inductor.config.cpp_wrapper = True`` stays in force otherwise). ``collectives``: the
+        step has in-graph collectives (sharded or tensor parallel), which the C++ wrapper runs unbucketed."""
         cpp = {"cpp_wrapper": True} if self.config.cpp_wrapper else {}
+        if self.config.cpp_wrapper or torch._inductor.config.cpp_wrapper:
+            cpp.update(cpp_wrapper_patches(collectives=collectives))
         return {"triton.cudagraphs": self.config.cudagraphs, **cpp}
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
@@ -637,7 +641,7 @@ class DPBackend:
         def not_donated(n: int) -> None:
             record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
 
-        codegen = self._codegen_patches()
+        codegen = self._codegen_patches(collectives=tp is not None or any(gi.sharded for gi in record.inputs))
         with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
             # TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces the cache on whatever the patch says:
             # then a compile it must not serve gets a key no entry has (Inductor's FX graph cache, keyed by
@@ -697,8 +701,8 @@ class DPBackend:
         record.graphs["dynamo"] = graph_text(gm)
         dumper.dump("dynamo_graph", record.graphs["dynamo"])
         inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
-        codegen = self._codegen_patches()
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
+        codegen = self._codegen_patches(collectives=tp is not None or any(gi.sharded for gi in inputs))
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
             refuse_gradients_passed_out(gm, inputs, example_inputs)

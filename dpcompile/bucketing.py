@@ -31,6 +31,7 @@ from dpcompile.config import _is_real
 DEFAULT_BUCKET_MB = 64.0  # fully_shard's default cap: GPT-2-small's blocks gather in 2-3 buckets each
 
 _CHOSEN = [False]  # bucket_collectives was called: the user's choice, which fully_shard's default leaves alone
+_DEFAULTED = [False]  # fully_shard's default set the bucketing (and no choice of the user's followed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ def bucket_collectives(bucket_mb: float | None = 64.0, *, overlap: bool = False)
     if bucket_mb is not None and not (_is_real(bucket_mb) and 0 < bucket_mb < math.inf):
         raise ValueError(f"bucket_collectives: bucket_mb must be a positive number of MiB or None, got {bucket_mb!r}")
     _CHOSEN[0] = True
+    _DEFAULTED[0] = False
     _set(bucket_mb, overlap)
 
 
@@ -78,6 +80,7 @@ def default_bucketing() -> bool:
     if _CHOSEN[0] or configured:
         return False
     _set(DEFAULT_BUCKET_MB, True)
+    _DEFAULTED[0] = True
     logging.getLogger("dpcompile").info(
         "fully_shard: Inductor's collective bucketing (%g MiB buckets) and compute/communication reordering are on "
         "for every graph compiled from now on; dpcompile.bucket_collectives(None) turns them off", DEFAULT_BUCKET_MB)
@@ -97,3 +100,33 @@ def _set(bucket_mb: float | None, overlap: bool) -> None:
     config.bucket_reduce_scatters_fx_bucket_size_determinator = cap
     config.bucket_all_reduces_fx_bucket_size_determinator = cap
     config.reorder_for_compute_comm_overlap = overlap
+
+
+def cpp_wrapper_patches(*, collectives: bool) -> dict:
+    """Inductor settings for a step compiled with the C++ wrapper (``cpp_wrapper=True``).
+
+    torch 2.11's C++ wrapper crashes the process (SIGSEGV, in the generated
+    forward) running bucketed collectives: measured on 2 gloo ranks, buckets
+    with and without reordering; unbucketed the same step runs exact. (torch
+    2.13 refuses sharded steps under the C++ wrapper before this matters:
+    their device meshes are graph inputs it cannot take.) So a step with
+    collectives compiles unbucketed when the bucketing is fully_shard's
+    default, and is refused when the user chose it, rather than crash.
+    """
+    from torch._inductor import config
+
+    on = any(getattr(config, f"bucket_{kind}_fx") != "none" for kind in ("all_gathers", "reduce_scatters", "all_reduces"))
+    if not collectives or not on:
+        return {}
+    if not _DEFAULTED[0]:
+        from dpcompile.errors import DPCompileError
+
+        raise DPCompileError(
+            "cpp_wrapper=True with bucketed collectives: Inductor's C++ wrapper crashes the process (segmentation "
+            "fault) running them on this torch. Call dpcompile.bucket_collectives(None) before compiling, or drop "
+            "cpp_wrapper (cudagraphs=True also removes the per-kernel host cost).")
+    logging.getLogger("dpcompile").info(
+        "cpp_wrapper=True: this step's collectives are compiled unbucketed (Inductor's C++ wrapper crashes running "
+        "bucketed ones); fully_shard's bucketing stays on for other steps")
+    return {"bucket_all_gathers_fx": "none", "bucket_reduce_scatters_fx": "none", "bucket_all_reduces_fx": "none",
+            "reorder_for_compute_comm_overlap": False}

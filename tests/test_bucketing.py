@@ -62,3 +62,32 @@ def test_fully_shard_turns_bucketing_on_unless_the_user_chose(monkeypatch, caplo
     with config.patch({**_UNSET, "reorder_for_compute_comm_overlap": True}):
         assert bucketing.default_bucketing() is False
         assert config.bucket_all_gathers_fx == "none"
+
+
+def test_cpp_wrapper_compiles_collectives_unbucketed_or_refuses(monkeypatch, caplog):
+    """torch 2.11's C++ wrapper crashes (SIGSEGV) running bucketed collectives: under fully_shard's default a
+    step with collectives compiles unbucketed (logged); a bucketing the user chose is refused, saying what to
+    do; steps without collectives and unbucketed settings are left alone."""
+    from dpcompile import bucketing
+    from dpcompile.errors import DPCompileError
+
+    off = {"bucket_all_gathers_fx": "none", "bucket_reduce_scatters_fx": "none", "bucket_all_reduces_fx": "none",
+           "reorder_for_compute_comm_overlap": False}
+    with config.patch(_UNSET), caplog.at_level("INFO", logger="dpcompile"):
+        monkeypatch.setattr(bucketing, "_CHOSEN", [False])
+        monkeypatch.setattr(bucketing, "_DEFAULTED", [False])
+        assert bucketing.cpp_wrapper_patches(collectives=True) == {}  # nothing bucketed
+        assert bucketing.default_bucketing() is True
+        assert bucketing.cpp_wrapper_patches(collectives=False) == {}
+        assert bucketing.cpp_wrapper_patches(collectives=True) == off
+        assert "compiled unbucketed" in caplog.text
+        assert config.bucket_all_gathers_fx == "all"  # other steps keep the default
+        dpcompile.bucket_collectives(32)  # the user's choice
+        with pytest.raises(DPCompileError, match=r"bucket_collectives\(None\)"):
+            bucketing.cpp_wrapper_patches(collectives=True)
+        dpcompile.bucket_collectives(None)
+        assert bucketing.cpp_wrapper_patches(collectives=True) == {}
+    monkeypatch.setattr(bucketing, "_DEFAULTED", [False])
+    with config.patch({**_UNSET, "bucket_reduce_scatters_fx": "fsdp"}):  # set by hand: the user's choice
+        with pytest.raises(DPCompileError, match="cpp_wrapper=True with bucketed collectives"):
+            bucketing.cpp_wrapper_patches(collectives=True)

@@ -362,8 +362,9 @@ def memory_snapshot(spec: dict, step, device) -> str | None:
 def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
     """One more step under torch.profiler: every GPU kernel's count and GPU time, summed by name, largest
     first, as JSON in DIR (where a step's time goes, to compare across modes by kernel name; one small file
-    per mode: the device machine returns few files, so no Chrome trace). Under CUDA graphs the kernels of a
-    replay are seen too. None on CPU."""
+    per mode and rank: the device machine returns few files, so no Chrome trace), with the step's timeline
+    (gpu_timeline: compute, idle, and the longest gaps). Under CUDA graphs the kernels of a replay are seen
+    too. None on CPU."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -376,19 +377,71 @@ def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
         step()
         torch.cuda.synchronize()
     kernels: dict[str, list] = {}
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels.setdefault(e.name, [0, 0.0])
             k[0] += 1
             k[1] += e.device_time_total / 1e3  # us -> ms
+            if not getattr(e, "is_user_annotation", False):  # GPU ranges of record_function, not kernels
+                spans.append((e.time_range.start, e.time_range.end, e.name))
     rows = sorted(([n, c, round(ms, 4)] for n, (c, ms) in kernels.items()), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:  # one file per rank: ranks wait for each other in their collectives, differently
+        stem += f"_rank{os.environ.get('RANK', 0)}"
+    line = gpu_timeline(spans)
     path = os.path.join(spec["kernel_profile"], stem + ".json")
     with open(path, "w") as f:
-        json.dump({"gpu_ms": round(total, 3), "launches": sum(r[1] for r in rows), "kernels": rows}, f, indent=0)
+        json.dump({"gpu_ms": round(total, 3), "launches": sum(r[1] for r in rows), "timeline": line,
+                   "kernels": rows}, f, indent=0)
     print(f"kernel profile {stem}: {len(rows)} kernels, {sum(r[1] for r in rows)} launches, "
-          f"{total:.1f} ms GPU; top: " + "; ".join(f"{r[0][:60]} x{r[1]} {r[2]:.2f}" for r in rows[:top // 4]))
+          f"{total:.1f} ms GPU; timeline: {line['span_ms']} ms, compute {line['compute_ms']}, idle "
+          f"{line['idle_ms']} (collectives alone {line['collectives_only_ms']}); top: "
+          + "; ".join(f"{r[0][:60]} x{r[1]} {r[2]:.2f}" for r in rows[:top // 4]))
     return path
+
+
+def gpu_timeline(spans: list, gaps: int = 12) -> dict:
+    """Where a profiled step's GPU time went, from its kernels' (start us, end us, name): the span from the
+    first kernel's start to the last one's end; the time some compute kernel runs (collectives' kernels,
+    named nccl*, run beside compute on their own stream); the idle rest of the span, and the part of it in
+    which only collectives run (communication the compute waits for, not overlapped); and the longest
+    gaps between compute kernels, each with the compute kernels on either side (a gap is host time or a
+    wait for a collective). A kernel sum alone cannot tell a GPU-bound step from one that waits."""
+    def merged(ivs):
+        out = []
+        for a, b in sorted(ivs):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    if not spans:
+        return {"span_ms": 0.0, "compute_ms": 0.0, "idle_ms": 0.0, "collectives_only_ms": 0.0, "gaps": []}
+    comm = [(a, b) for a, b, n in spans if n.lower().startswith("nccl")]
+    compute = sorted((a, b, n) for a, b, n in spans if not n.lower().startswith("nccl"))
+    start, end = min(a for a, _, _ in spans), max(b for _, b, _ in spans)
+    busy = merged([(a, b) for a, b, _ in compute])
+    compute_us = sum(b - a for a, b in busy)
+    holes = [(a, b) for (_, a), (b, _) in zip([[start, start]] + busy, busy + [[end, end]]) if b > a]
+    comm_m = merged(comm)
+
+    def overlap(a, b):
+        return sum(max(0, min(b, y) - max(a, x)) for x, y in comm_m)
+
+    only_comm = sum(overlap(a, b) for a, b in holes)
+    found, last_end, last_name = [], None, None
+    for a, b, n in compute:
+        if last_end is not None and a > last_end:
+            found.append((a - last_end, last_name, n))
+        if last_end is None or b >= last_end:
+            last_end, last_name = b, n
+    found.sort(key=lambda g: -g[0])
+    return {"span_ms": round((end - start) / 1e3, 3), "compute_ms": round(compute_us / 1e3, 3),
+            "idle_ms": round((end - start - compute_us) / 1e3, 3), "collectives_only_ms": round(only_comm / 1e3, 3),
+            "gaps": [[round(us / 1e3, 3), before[:90], after[:90]] for us, before, after in found[:gaps]]}
 
 
 def host_profile(spec: dict, step, device, sync, steps: int = 5, top: int = 45) -> str:

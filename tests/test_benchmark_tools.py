@@ -1,0 +1,23 @@
+"""benchmarks/anchors.py's profile summary: the timeline it reads from a profiled step's kernels."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import anchors  # noqa: E402
+
+
+def test_gpu_timeline_splits_compute_idle_and_exposed_collectives():
+    # us: compute 0-10 and 12-20 (overlapping kernels merge), a 2 us gap at 10-12 under no collective,
+    # a 30 us gap at 20-50 of which an all-gather covers 20-45 (25 us exposed), compute again 50-60
+    spans = [(0, 10, "mm_a"), (5, 8, "pointwise_b"), (12, 20, "mm_c"), (50, 60, "norm_d"),
+             (15, 45, "ncclDevKernel_AllGather"), (61, 63, "nccl:reduce_scatter")]
+    t = anchors.gpu_timeline(spans)
+    assert t["span_ms"] == 0.063 and t["compute_ms"] == 0.028
+    assert t["idle_ms"] == 0.035  # 2 + 30 + 3 (the trailing reduce-scatter) us
+    assert t["collectives_only_ms"] == 0.027  # 20-45 within the 30 us gap, 61-63 at the end
+    assert t["gaps"][0] == [0.03, "mm_c", "norm_d"]  # longest first, named by the kernels either side
+    assert t["gaps"][1] == [0.002, "mm_a", "mm_c"]  # after mm_a's end, not pointwise_b's
+    assert len(t["gaps"]) == 2
+    assert anchors.gpu_timeline([])["span_ms"] == 0.0

@@ -35,7 +35,7 @@ from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
 from dpcompile.eager_guard import in_non_private, refuse_recompile_limit_fallback, sentinel
 from dpcompile.fx_utils import clean_module_path
 from dpcompile.noise import NoiseSeeds
-from dpcompile.passes import BACKWARD_PASSES, PASSES, DPPassContext, ParamInfo
+from dpcompile.passes import BACKWARD_PASSES, PASSES, DPPassContext, ParamInfo, PassOptions
 from dpcompile.passes.cleanup import finalize
 from dpcompile.passes.per_sample_norms import NORM_ALL_REDUCE_META
 from dpcompile.precompile import precompile_kernels
@@ -427,7 +427,7 @@ class DPPartitioner(CustomPartitionerFn):
         dropped_slot = grad_pos.get(seeds_pos + 1)  # the counter input, after the seeds
         gate_node = by_index.get(seeds_pos + 2)  # the noise gate, after the counter
         ctx = DPPassContext(
-            config=cfg, params=params, data_inputs=data,
+            options=PassOptions.of(cfg), params=params, data_inputs=data,
             seeds_input_index=placeholders.index(seeds_node) if seeds_node is not None else None,
             dropped_grad_index=dropped_slot,
             noise_gate_input_index=placeholders.index(gate_node) if gate_node is not None else None,

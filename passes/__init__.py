@@ -19,7 +19,7 @@ from .clip_schedule import clip_schedule_pass
 from .collective_order import collective_order_pass
 from .comm_overlap import comm_overlap_pass
 from .conv_backward_split import conv_backward_split_pass
-from .context import DPPassContext, ParamInfo
+from .context import DPPassContext, ParamInfo, PassOptions
 from .empty_batch import empty_batch_pass
 from .fsdp_reshard import fsdp_reshard_pass
 from .inplace_row_masks import inplace_row_masks_pass
@@ -85,4 +85,4 @@ def check_disable_passes(names) -> None:
             )
 
 
-__all__ = ["PASSES", "BACKWARD_PASSES", "Pass", "DPPassContext", "ParamInfo", "check_disable_passes"]
+__all__ = ["PASSES", "BACKWARD_PASSES", "Pass", "DPPassContext", "ParamInfo", "PassOptions", "check_disable_passes"]

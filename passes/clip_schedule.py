@@ -216,7 +216,7 @@ def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
         return 0
     op = c.node.args[c.scaled_operand] if c.kind in ("mm", "bmm", "sum", "embedding_backward", "conv") else \
         c.extra["values"]
-    nbytes = bytes_at_expected_batch(op, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
+    nbytes = bytes_at_expected_batch(op, ctx.states, ctx.batch_size, ctx.options.expected_batch_size)
     return 1 << 62 if nbytes is None else nbytes
 
 
@@ -232,7 +232,7 @@ def choose_deferred(ctx: DPPassContext) -> set[Contribution]:
     is one small reduction over those rows (_sum_from_rows), and ghost's second backward then has no bias or
     norm-weight reductions to make."""
     contribs = _contributions(ctx)
-    sched = ctx.config.schedule
+    sched = ctx.options.schedule
     if sched == "bk":
         return set(contribs)
     if sched == "ghost":
@@ -240,7 +240,7 @@ def choose_deferred(ctx: DPPassContext) -> set[Contribution]:
     order = {n: i for i, n in enumerate(ctx.backward_nodes)}
     # the backward runs from the loss towards the inputs: late contributions
     # hold their deferred operand for the shortest time, so defer those first
-    budget = ctx.config.memory_budget
+    budget = ctx.options.memory_budget
     chosen, used = set(), 0
     for c in sorted(contribs, key=lambda c: -order.get(c.node, 0)):
         nbytes = _deferred_bytes(c, ctx)
@@ -265,7 +265,7 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
     if r is None:
         return gm
     B = ctx.batch_size
-    sched_report = ctx.summary.setdefault("schedule", {"requested": ctx.config.schedule})
+    sched_report = ctx.summary.setdefault("schedule", {"requested": ctx.options.schedule})
     keep = ctx.keep_rows
 
     if ctx.whole_gradient_mode:
@@ -398,7 +398,7 @@ def _small(node: fx.Node, ctx: DPPassContext) -> bool:
     its bf16 consumer as in the first backward. A large scaled tangent stays inlined: storing it would be
     a buffer of that size.
     """
-    nbytes = bytes_at_expected_batch(node, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
+    nbytes = bytes_at_expected_batch(node, ctx.states, ctx.batch_size, ctx.options.expected_batch_size)
     return nbytes is not None and nbytes <= SCALED_TANGENT_STORE_MAX_BYTES
 
 

@@ -7,8 +7,6 @@ from typing import Any
 
 import torch.fx as fx
 
-from dpcompile.config import DPConfig
-
 
 @dataclasses.dataclass
 class ParamInfo:
@@ -28,9 +26,28 @@ class ParamInfo:
     shape: tuple = ()  # the whole parameter's (under sharding: not its placeholder's)
 
 
+@dataclasses.dataclass(frozen=True)
+class PassOptions:
+    """The user's options that the passes read, as plain values (the backend takes them from its DPConfig,
+    which validated them): the passes do not depend on the config class."""
+
+    max_grad_norm: float
+    noise_multiplier: float
+    expected_batch_size: int | None  # None: a summed loss (no batch size to divide by)
+    schedule: str  # "bk", "ghost" or "auto"
+    memory_budget: int  # bytes of deferred operands "auto" may keep
+    linear_norm: str  # how contractions' per-sample norms are computed ("auto" picks per layer)
+    conv_norm: str  # the same for convolutions
+    norm_eps: float  # added to the per-sample norm before dividing by it
+
+    @classmethod
+    def of(cls, config) -> "PassOptions":
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
 @dataclasses.dataclass
 class DPPassContext:
-    config: DPConfig
+    options: PassOptions
     params: list[ParamInfo]
     data_inputs: dict[fx.Node, tuple[str, int | None]]  # placeholder -> (arg name, batch dim)
     seeds_input_index: int | None  # primal index of the noise seeds input

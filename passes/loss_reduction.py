@@ -28,9 +28,9 @@ def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> No
             break
         ins = node.all_input_nodes
         node = ins[0] if len(ins) == 1 else None
-    if kind == "mean" and ctx.config.expected_batch_size is None:
+    if kind == "mean" and ctx.options.expected_batch_size is None:
         raise DPValueError("dp_fsdp: the loss is a mean over the batch, so the option expected_batch_size is needed")
-    k = 1.0 / ctx.config.expected_batch_size if kind == "mean" else 1.0
+    k = 1.0 / ctx.options.expected_batch_size if kind == "mean" else 1.0
     ctx.loss = LossInfo(loss, tangent, kind, 0 if kind == "mean" else 1, k)
     ctx.summary["loss"] = {"reduction": kind, "k": k, "batch_size": "0 (no samples on this rank)"}
 
@@ -131,12 +131,12 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         )
     kind = kinds.pop()
     if kind == "mean":
-        if ctx.config.expected_batch_size is None:
+        if ctx.options.expected_batch_size is None:
             raise DPValueError(
                 "dp_fsdp: the loss is a mean over the batch, so the option expected_batch_size is needed "
                 "(the DP gradient divides the noisy clipped sum by it, not by the sampled batch size)"
             )
-        M, k = ctx.batch_size, 1.0 / ctx.config.expected_batch_size
+        M, k = ctx.batch_size, 1.0 / ctx.options.expected_batch_size
     else:
         M, k = 1, 1.0
     ctx.loss = LossInfo(loss, tangent, kind, M, k)

@@ -76,7 +76,7 @@ def _before_cast(g: fx.Node, ctx: DPPassContext) -> fx.Node:
 def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """grad += t * k * s * C * N(0, I) for every trainable parameter."""
     chunk_numel = CHUNK_NUMEL
-    sigma = ctx.config.noise_multiplier
+    sigma = ctx.options.noise_multiplier
     if sigma == 0 or ctx.loss is None or not ctx.decompositions:
         ctx.summary["noise"] = "none (noise_multiplier = 0)"
         return gm
@@ -85,7 +85,7 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     seeds = [n for n in graph.find_nodes(op="placeholder")][ctx.seeds_input_index]
     b = GraphBuilder(graph)
     outs = list(out.args[0])
-    std = ctx.loss.k * sigma * ctx.config.max_grad_norm
+    std = ctx.loss.k * sigma * ctx.options.max_grad_norm
     with graph.inserting_before(out):
         scale = b.call(aten.mul.Tensor, b.f32(ctx.loss.tangent), std)
         if ctx.noise_gate_input_index is not None:  # 0 inside dpcompile.accumulate(): noise once per logical batch
@@ -119,5 +119,5 @@ def gaussian_noise_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
                 for j, (i, _, _) in enumerate(chunk):
                     outs[i] = b.call(operator.getitem, noisy, j)
     out.args = (tuple(outs),) + tuple(out.args[1:])
-    ctx.summary["noise"] = f"N(0, ({sigma} * {ctx.config.max_grad_norm})^2) * {ctx.loss.k:g} on each coordinate"
+    ctx.summary["noise"] = f"N(0, ({sigma} * {ctx.options.max_grad_norm})^2) * {ctx.loss.k:g} on each coordinate"
     return gm

@@ -63,7 +63,7 @@ def _row_bytes(row: fx.Node, ctx: DPPassContext) -> int:
     n = row.meta["val"].shape[1]
     if not isinstance(n, int):
         return STACKED_ROWS_MAX_BYTES + 1
-    B = ctx.config.expected_batch_size or (ctx.batch_size if isinstance(ctx.batch_size, int) else 1)
+    B = ctx.options.expected_batch_size or (ctx.batch_size if isinstance(ctx.batch_size, int) else 1)
     return 4 * n * int(B)
 
 
@@ -142,7 +142,7 @@ class NormBuilder:
         S = lay.outer * lay.inner
         if known(S == 1):
             return "rank_one", "one row per sample: ||a||^2 ||g||^2"
-        choice = self.ctx.config.linear_norm
+        choice = self.ctx.options.linear_norm
         ghost = S * S * (p + m)
         direct = S * p * m
         try:
@@ -163,7 +163,7 @@ class NormBuilder:
         size, within NORM_BLOCK_BYTES (1 when the sizes are symbolic: then nothing is known to split).
         Counted from expected_batch_size, never from this rank's B: every rank builds the same graph."""
         try:
-            total, n = int(per_sample_bytes) * int(self.ctx.config.expected_batch_size or 1), int(n)
+            total, n = int(per_sample_bytes) * int(self.ctx.options.expected_batch_size or 1), int(n)
         except TypeError:
             return 1
         return max(1, min(n, -(-total // NORM_BLOCK_BYTES)))
@@ -236,7 +236,7 @@ class NormBuilder:
     def conv_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
         b, B = self.b, self.B
         geo = conv_norms.geometry(c)
-        algo, why = conv_norms.choose(geo, self.ctx.config.conv_norm)
+        algo, why = conv_norms.choose(geo, self.ctx.options.conv_norm)
         grams = self.ctx.counters["gram_norm_kernels"]
         if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
             self.ctx.counters["conv_norm_kernels"] += 1
@@ -776,9 +776,9 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
         inv = b.call(aten.where.self, b.call(aten.gt.Scalar, at, 0.0),
                      b.call(aten.reciprocal.default, at), b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32))
         norms = b.call(aten.mul.Tensor, b.call(aten.mul.Tensor, b.call(aten.sqrt.default, total), inv), loss.M)
-        denom = b.call(aten.add.Tensor, norms, ctx.config.norm_eps)
+        denom = b.call(aten.add.Tensor, norms, ctx.options.norm_eps)
         coef = b.call(aten.clamp_max.default,
-                      b.call(aten.mul.Tensor, b.call(aten.reciprocal.default, denom), ctx.config.max_grad_norm), 1.0)
+                      b.call(aten.mul.Tensor, b.call(aten.reciprocal.default, denom), ctx.options.max_grad_norm), 1.0)
         # a sample whose gradient is not finite (bad data, overflow) is dropped: coefficient 0, and the
         # contractions zero its rows (clip_schedule), since 0 * inf would still be NaN
         keep = b.call(aten.lt.Scalar, norms, float("inf"))  # norms >= 0: False for inf and NaN

@@ -37,7 +37,7 @@ RECOMPUTE_MIN_RATIO = 8
 
 
 def _bytes_at_expected_batch(node: fx.Node, ctx: DPPassContext) -> int | None:
-    return bytes_at_expected_batch(node, ctx.states, ctx.batch_size, ctx.config.expected_batch_size)
+    return bytes_at_expected_batch(node, ctx.states, ctx.batch_size, ctx.options.expected_batch_size)
 
 
 def _chain(root: fx.Node, ctx: DPPassContext, first: set[fx.Node]) -> list[fx.Node] | None:

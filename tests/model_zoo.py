@@ -11,7 +11,8 @@ Each model is built small with random init and dropout off, in training mode, in
 clipping is active (the oracle's median per-sample norm is C). The oracle is vmap(grad), or one plain
 backward per sample where vmap cannot run the model. A line per model and schedule: PASS, REFUSED (a
 DPCompileError: the step is not provably per sample, with the op, parameter and module), SKIP (the library
-does not import) or FAIL (anything else: a wrong gradient is one). Exit status 1 if any FAIL.
+does not import), BROKEN (the model's plain float64 forward and backward fail: nothing to compare with, and the
+run goes on to the next model) or FAIL (anything else: a wrong gradient is one). Exit status 1 if any FAIL.
 
 ``--shard N``: the same step on N gloo processes, the model sharded as a user would (``dpcompile.fully_shard``
 on every block, bottom up, then the root), the batch split unevenly over the ranks (rank 0 takes one sample
@@ -385,7 +386,10 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[st
     except ImportError as exc:
         return "SKIP", f"{type(exc).__name__}: {exc}"
     torch._dynamo.reset()
-    helpers.dp_reference, _ = _oracle_for(model, loss, inputs, targets, name)  # what check_against_reference calls
+    try:
+        helpers.dp_reference, _ = _oracle_for(model, loss, inputs, targets, name)  # what check_against_reference calls
+    except Exception as exc:  # noqa: BLE001 - the model's own plain forward/backward fails: nothing to check
+        return "BROKEN", f"the model fails without dpcompile ({type(exc).__name__}: {str(exc).splitlines()[0]})"
     try:
         check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler)
     except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)

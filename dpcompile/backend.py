@@ -25,8 +25,8 @@ from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
                               hf_expand_position_ids, hint_mix_order_split, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
-from dpcompile.bucketing import cpp_wrapper_patches
 from dpcompile.bilinear import bilinear_as_matmul
+from dpcompile.bucketing import cpp_wrapper_patches
 from dpcompile.config import DPConfig
 from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
 from dpcompile.embedding_bag import embedding_bags_as_embeddings
@@ -196,6 +196,11 @@ def check_sharding(inputs: list[GraphInput], example_inputs) -> TPMesh | None:
         raise DPValueError(f"dp_fsdp: parameters live on different device meshes ({desc}); shard all of them "
                            f"with fully_shard(..., mesh=<one mesh>)")
     return tp_mesh([(gi.name, ex) for gi, ex in tp]) if tp else None
+
+
+def _has_collectives(inputs: list[GraphInput], tp: TPMesh | None) -> bool:
+    """The step's graphs hold collectives: its parameters are sharded, or it is tensor parallel."""
+    return tp is not None or any(gi.sharded for gi in inputs)
 
 
 def refuse_cpp_wrapper_with_opaque_inputs(cpp_wrapper: bool, inputs: list[GraphInput], example_inputs) -> None:
@@ -641,7 +646,7 @@ class DPBackend:
         def not_donated(n: int) -> None:
             record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
 
-        codegen = self._codegen_patches(collectives=tp is not None or any(gi.sharded for gi in record.inputs))
+        codegen = self._codegen_patches(collectives=_has_collectives(record.inputs, tp))
         with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
             # TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces the cache on whatever the patch says:
             # then a compile it must not serve gets a key no entry has (Inductor's FX graph cache, keyed by
@@ -702,7 +707,7 @@ class DPBackend:
         dumper.dump("dynamo_graph", record.graphs["dynamo"])
         inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
-        codegen = self._codegen_patches(collectives=tp is not None or any(gi.sharded for gi in inputs))
+        codegen = self._codegen_patches(collectives=_has_collectives(inputs, tp))
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
             refuse_gradients_passed_out(gm, inputs, example_inputs)

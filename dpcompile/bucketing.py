@@ -115,8 +115,8 @@ def cpp_wrapper_patches(*, collectives: bool) -> dict:
     """
     from torch._inductor import config
 
-    on = any(getattr(config, f"bucket_{kind}_fx") != "none" for kind in ("all_gathers", "reduce_scatters", "all_reduces"))
-    if not collectives or not on:
+    kinds = ("all_gathers", "reduce_scatters", "all_reduces")
+    if not collectives or all(getattr(config, f"bucket_{kind}_fx") == "none" for kind in kinds):
         return {}
     if not _DEFAULTED[0]:
         from dpcompile.errors import DPCompileError

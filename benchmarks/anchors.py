@@ -1056,7 +1056,8 @@ def main(argv=None) -> int:
                     help="CUDA: after the timed steps, one more step recorded as a memory snapshot pickle in DIR "
                          "(what is alive at the peak, and where it was allocated)")
     ap.add_argument("--kernel-profile", default=None, metavar="DIR",
-                    help="CUDA: one more step under torch.profiler; every GPU kernel's count and time as JSON in DIR")
+                    help="CUDA: one more step under torch.profiler; every GPU kernel's count and time, and the "
+                         "step's timeline (compute, idle, waits on collectives), as JSON in DIR, one file per rank")
     ap.add_argument("--host-profile", default=None, metavar="DIR",
                     help="5 more steps under cProfile (GPU synchronised after each): the host's time by function, "
                          "as text in DIR")

@@ -5,7 +5,8 @@
 #
 #   single  every test except the multi-GPU NCCL ones (one GPU is enough), in parallel with
 #           pytest-xdist; the sharded matrix of tests/test_fsdp.py splits into 4 process groups
-#   nccl    the NCCL tests (tests/test_fsdp.py -k nccl, one per model): 2 GPUs, 4 for the 4-rank ones
+#   nccl    the NCCL tests (tests/test_fsdp.py -k nccl, one per model): 2 GPUs, 4 for the 4-rank ones;
+#           NCCL_WORKERS (default 4) of them at a time
 #   all     both (the default)
 #
 # SPLIT=i/n runs the i-th of n parts of the single-GPU tests (whole test files, balanced by their
@@ -102,6 +103,8 @@ if [ "$part" != nccl ]; then
   run_part single -n "$workers" --dist loadgroup -k "not nccl" $targets "$@"
 fi
 if [ "$part" != single ]; then
-  run_part nccl tests/test_fsdp.py -k nccl "$@"
+  # NCCL_WORKERS tests at a time (pytest-xdist), each with its own ranks on the same GPUs: one at a time the
+  # 2-GPU ones alone ran past 200 s on two H200s (five at a time: 173 s), mostly each rank's Triton compiles
+  run_part nccl -n "${NCCL_WORKERS:-4}" tests/test_fsdp.py -k nccl "$@"
 fi
 exit $status

@@ -198,11 +198,6 @@ def check_sharding(inputs: list[GraphInput], example_inputs) -> TPMesh | None:
     return tp_mesh([(gi.name, ex) for gi, ex in tp]) if tp else None
 
 
-def _has_collectives(inputs: list[GraphInput], tp: TPMesh | None) -> bool:
-    """The step's graphs hold collectives: its parameters are sharded, or it is tensor parallel."""
-    return tp is not None or any(gi.sharded for gi in inputs)
-
-
 def refuse_cpp_wrapper_with_opaque_inputs(cpp_wrapper: bool, inputs: list[GraphInput], example_inputs) -> None:
     """Inductor's C++ wrapper takes tensors and numbers as graph inputs; torch 2.13 also hands a sharded step's
     device meshes to the graph (compat.meshes_are_graph_inputs), which the C++ wrapper cannot take (it fails at
@@ -640,13 +635,12 @@ class DPBackend:
         return {"triton.cudagraphs": self.config.cudagraphs, **cpp}
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
-                    tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool) -> Callable:
+                    tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool, codegen: dict) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         def not_donated(n: int) -> None:
             record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
 
-        codegen = self._codegen_patches(collectives=_has_collectives(record.inputs, tp))
         with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
             # TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces the cache on whatever the patch says:
             # then a compile it must not serve gets a key no entry has (Inductor's FX graph cache, keyed by
@@ -707,7 +701,8 @@ class DPBackend:
         dumper.dump("dynamo_graph", record.graphs["dynamo"])
         inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
-        codegen = self._codegen_patches(collectives=_has_collectives(inputs, tp))
+        distributed = any(gi.sharded or gi.tp for gi in inputs)  # collectives in the graphs
+        codegen = self._codegen_patches(collectives=distributed)
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
             refuse_gradients_passed_out(gm, inputs, example_inputs)
@@ -729,7 +724,6 @@ class DPBackend:
         record.counters[EMBEDDING_BAG_COUNTER] = embedding_bags_as_embeddings(gm)  # ... nn.EmbeddingBag too
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
-        distributed = any(gi.sharded or gi.tp for gi in inputs)
         part = DPPartitioner(self, record, dumper, split, tp, rank_layout(example_inputs) if distributed else "")
         aot_cache = torch._functorch.config.enable_autograd_cache and aot_cache_allowed(
             self.config, dumps_wanted=dumper.folder is not None) and (not distributed or cache_serves_sharded_steps())
@@ -738,7 +732,7 @@ class DPBackend:
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
         compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner,
-                                    unbacked)
+                                    unbacked, codegen)
         if key is not None:
             record.cache = "miss" if part.called else "hit"
             found = part.called or load_record(key, record)
@@ -748,7 +742,7 @@ class DPBackend:
                 # tensor-parallel step's noise streams are in the record; every step's summary, counters and
                 # graphs are what users and dumps read.
                 compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, False, inner,
-                                            unbacked)
+                                            unbacked, codegen)
                 record.cache = "miss"
             if part.called:  # for a later process that this compile's cache entry serves
                 save_record(key, record)

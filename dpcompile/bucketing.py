@@ -30,8 +30,11 @@ from dpcompile.config import _is_real
 
 DEFAULT_BUCKET_MB = 64.0  # fully_shard's default cap: GPT-2-small's blocks gather in 2-3 buckets each
 
-_CHOSEN = [False]  # bucket_collectives was called: the user's choice, which fully_shard's default leaves alone
-_DEFAULTED = [False]  # fully_shard's default set the bucketing (and no choice of the user's followed)
+# who last set Inductor's bucketing through this module: "user" (a bucket_collectives call, which fully_shard's
+# default leaves alone) or "default" (fully_shard's default); None: neither
+_SET_BY: list[str | None] = [None]
+_KINDS = ("all_gathers", "reduce_scatters", "all_reduces")  # Inductor's bucket_<kind>_fx settings
+_OFF = {**{f"bucket_{kind}_fx": "none" for kind in _KINDS}, "reorder_for_compute_comm_overlap": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +67,7 @@ def bucket_collectives(bucket_mb: float | None = 64.0, *, overlap: bool = False)
         raise ValueError(f"bucket_collectives: overlap must be True or False, got {overlap!r}")
     if bucket_mb is not None and not (_is_real(bucket_mb) and 0 < bucket_mb < math.inf):
         raise ValueError(f"bucket_collectives: bucket_mb must be a positive number of MiB or None, got {bucket_mb!r}")
-    _CHOSEN[0] = True
-    _DEFAULTED[0] = False
+    _SET_BY[0] = "user"
     _set(bucket_mb, overlap)
 
 
@@ -74,13 +76,10 @@ def default_bucketing() -> bool:
     Inductor's bucketing or compute/communication reordering was configured otherwise. Whether it set them."""
     from torch._inductor import config
 
-    configured = (config.reorder_for_compute_comm_overlap
-                  or any(getattr(config, f"bucket_{kind}_fx") != "none"
-                         for kind in ("all_gathers", "reduce_scatters", "all_reduces")))
-    if _CHOSEN[0] or configured:
+    if _SET_BY[0] == "user" or config.reorder_for_compute_comm_overlap or _bucketed(config):
         return False
     _set(DEFAULT_BUCKET_MB, True)
-    _DEFAULTED[0] = True
+    _SET_BY[0] = "default"
     logging.getLogger("dpcompile").info(
         "fully_shard: Inductor's collective bucketing (%g MiB buckets) and compute/communication reordering are on "
         "for every graph compiled from now on; dpcompile.bucket_collectives(None) turns them off", DEFAULT_BUCKET_MB)
@@ -91,14 +90,13 @@ def _set(bucket_mb: float | None, overlap: bool) -> None:
     from torch._inductor import config
 
     if bucket_mb is None:
-        config.bucket_all_gathers_fx = config.bucket_reduce_scatters_fx = config.bucket_all_reduces_fx = "none"
-        config.reorder_for_compute_comm_overlap = False
+        for key, value in _OFF.items():
+            setattr(config, key, value)
         return
     cap = _BucketCap(float(bucket_mb))
-    config.bucket_all_gathers_fx = config.bucket_reduce_scatters_fx = config.bucket_all_reduces_fx = "all"
-    config.bucket_all_gathers_fx_bucket_size_determinator = cap
-    config.bucket_reduce_scatters_fx_bucket_size_determinator = cap
-    config.bucket_all_reduces_fx_bucket_size_determinator = cap
+    for kind in _KINDS:
+        setattr(config, f"bucket_{kind}_fx", "all")
+        setattr(config, f"bucket_{kind}_fx_bucket_size_determinator", cap)
     config.reorder_for_compute_comm_overlap = overlap
 
 
@@ -115,10 +113,9 @@ def cpp_wrapper_patches(*, collectives: bool) -> dict:
     """
     from torch._inductor import config
 
-    kinds = ("all_gathers", "reduce_scatters", "all_reduces")
-    if not collectives or all(getattr(config, f"bucket_{kind}_fx") == "none" for kind in kinds):
+    if not collectives or not _bucketed(config):
         return {}
-    if not _DEFAULTED[0]:
+    if _SET_BY[0] != "default":
         from dpcompile.errors import DPCompileError
 
         raise DPCompileError(
@@ -128,5 +125,9 @@ def cpp_wrapper_patches(*, collectives: bool) -> dict:
     logging.getLogger("dpcompile").info(
         "cpp_wrapper=True: this step's collectives are compiled unbucketed (Inductor's C++ wrapper crashes running "
         "bucketed ones); fully_shard's bucketing stays on for other steps")
-    return {"bucket_all_gathers_fx": "none", "bucket_reduce_scatters_fx": "none", "bucket_all_reduces_fx": "none",
-            "reorder_for_compute_comm_overlap": False}
+    return dict(_OFF)
+
+
+def _bucketed(config) -> bool:
+    """Inductor buckets some kind of collective."""
+    return any(getattr(config, f"bucket_{kind}_fx") != "none" for kind in _KINDS)

@@ -44,7 +44,7 @@ def test_fully_shard_turns_bucketing_on_unless_the_user_chose(monkeypatch, caplo
     from dpcompile import bucketing
 
     with config.patch(_UNSET), caplog.at_level("INFO", logger="dpcompile"):
-        monkeypatch.setattr(bucketing, "_CHOSEN", [False])
+        monkeypatch.setattr(bucketing, "_SET_BY", [None])
         assert bucketing.default_bucketing() is True
         assert "bucket_collectives(None) turns them off" in caplog.text
         assert (config.bucket_all_gathers_fx, config.bucket_reduce_scatters_fx, config.bucket_all_reduces_fx) == (
@@ -56,7 +56,7 @@ def test_fully_shard_turns_bucketing_on_unless_the_user_chose(monkeypatch, caplo
         assert bucketing.default_bucketing() is False
         assert config.bucket_all_gathers_fx == "none" and config.reorder_for_compute_comm_overlap is False
     with config.patch({**_UNSET, "bucket_all_gathers_fx": "fsdp"}):  # set by hand
-        monkeypatch.setattr(bucketing, "_CHOSEN", [False])
+        monkeypatch.setattr(bucketing, "_SET_BY", [None])
         assert bucketing.default_bucketing() is False
         assert config.bucket_reduce_scatters_fx == "none" and config.reorder_for_compute_comm_overlap is False
     with config.patch({**_UNSET, "reorder_for_compute_comm_overlap": True}):
@@ -71,15 +71,12 @@ def test_cpp_wrapper_compiles_collectives_unbucketed_or_refuses(monkeypatch, cap
     from dpcompile import bucketing
     from dpcompile.errors import DPCompileError
 
-    off = {"bucket_all_gathers_fx": "none", "bucket_reduce_scatters_fx": "none", "bucket_all_reduces_fx": "none",
-           "reorder_for_compute_comm_overlap": False}
     with config.patch(_UNSET), caplog.at_level("INFO", logger="dpcompile"):
-        monkeypatch.setattr(bucketing, "_CHOSEN", [False])
-        monkeypatch.setattr(bucketing, "_DEFAULTED", [False])
+        monkeypatch.setattr(bucketing, "_SET_BY", [None])
         assert bucketing.cpp_wrapper_patches(collectives=True) == {}  # nothing bucketed
         assert bucketing.default_bucketing() is True
         assert bucketing.cpp_wrapper_patches(collectives=False) == {}
-        assert bucketing.cpp_wrapper_patches(collectives=True) == off
+        assert bucketing.cpp_wrapper_patches(collectives=True) == _UNSET
         assert "compiled unbucketed" in caplog.text
         assert config.bucket_all_gathers_fx == "all"  # other steps keep the default
         dpcompile.bucket_collectives(32)  # the user's choice
@@ -87,7 +84,7 @@ def test_cpp_wrapper_compiles_collectives_unbucketed_or_refuses(monkeypatch, cap
             bucketing.cpp_wrapper_patches(collectives=True)
         dpcompile.bucket_collectives(None)
         assert bucketing.cpp_wrapper_patches(collectives=True) == {}
-    monkeypatch.setattr(bucketing, "_DEFAULTED", [False])
+    monkeypatch.setattr(bucketing, "_SET_BY", [None])
     with config.patch({**_UNSET, "bucket_reduce_scatters_fx": "fsdp"}):  # set by hand: the user's choice
         with pytest.raises(DPCompileError, match="cpp_wrapper=True with bucketed collectives"):
             bucketing.cpp_wrapper_patches(collectives=True)

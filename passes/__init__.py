@@ -32,6 +32,7 @@ from .second_backward_recompute import second_backward_recompute_pass
 from .state_updates import state_updates_pass
 from .tensor_parallel import tensor_parallel_check_pass
 from .unit_batch_matmuls import unit_batch_matmuls_pass
+from .view_chains import view_chains_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,10 @@ PASSES: tuple[Pass, ...] = (
 
 # on the backward graph, after the partition (which decides what the backward makes itself)
 BACKWARD_PASSES: tuple[Pass, ...] = (
+    # the norm rewrite's view chains as one view each: Inductor copies a chain it cannot see through (an
+    # unbacked batch size), computing the value twice. After the partition: on the joint graph, a chain's
+    # end read straight from a forward value makes the min-cut keep that value instead of recomputing it
+    Pass("view_chains", view_chains_pass, optional=True),
     Pass("inplace_row_masks", inplace_row_masks_pass, optional=True),
 )
 

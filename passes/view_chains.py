@@ -1,0 +1,145 @@
+"""A chain of views that lands on a row-major view of a contiguous tensor, read as one view of it.
+
+The norm rewrite reaches its operands through view chains: ``sample_major``
+splits the rows as [outer, B, inner, F] and permutes the samples first,
+so GPT-2's ``gelu(h)`` [B, T, 3072] reaches the Gram kernel as
+``view -> view [1, B, T, 3072] -> permute -> reshape [B, T, 3072]``.
+With a static batch Inductor sees through such a chain. With the unbacked
+batch size of a sharded step, on CUDA, it does not: it writes the chain's
+end to a buffer of its own, so the value is computed twice, and the copy
+the Gram kernel reads is not the buffer the deferred weight gradient reads
+(GPT-2-small bk on one H200, fp32 32x256, batch marked unbacked: GELU and
+its backward computed twice per layer; 48.2 ms a step, 46.8 ms with this
+pass, 43.3-44.2 ms with a static batch: BENCHMARKS.md).
+
+The pass replaces each chain's end (a view op read by something other than a
+view op) whose value is row-major by one ``view`` of the farthest tensor up
+its chain that is row-major too and has the same storage, storage offset and
+element count. Both then read the same memory in the same order, for every
+value of the size symbols: the pass checks it on the fake values' sizes,
+strides and storages (``statically_known_true``) and leaves a chain alone
+where a check is not known. A reshape that copied (its fake value has a
+storage of its own) ends the walk; so does ghost's second backward (a walk
+does not leave it for the first backward's value).
+
+It runs on the partitioned backward graph: on the joint graph, a backward
+contraction reading a forward value directly (instead of through backward
+views) makes the min-cut partitioner keep that value rather than recompute
+it (ghost's backward peak on tests/test_generated_code.py's GPT: 10.1 MB
+instead of 8.6). The graph's outputs keep their nodes (AOTAutograd recorded
+what each one aliases). Counter: ``view_chains_collapsed``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from dpcompile.buffer_reuse import PHASE_KEY
+from dpcompile.fx_utils import GraphBuilder, known
+from .context import DPPassContext
+
+aten = torch.ops.aten
+# ops whose result is a view of their first argument (reshape: where it does not copy, which the storage check sees)
+VIEW_OPS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    *([aten.squeeze.dims] if hasattr(aten.squeeze, "dims") else []),
+})
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# which backward a node is in (ghost's two, buffer_reuse): a walk never crosses into the other one, which would
+# make ghost's second backward read a first-backward value instead of its own copy of it
+_PLACEMENT_KEYS = (PHASE_KEY,)
+
+
+def _val(node: Any) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) and not v.is_sparse else None
+
+
+def is_view_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in VIEW_OPS and isinstance(node.args[0], fx.Node)
+
+
+def row_major(v: torch.Tensor) -> bool:
+    """v's strides are the contiguous ones of its shape, for every value of the symbols in them (a dim of
+    size one may have any stride)."""
+    expected: Any = 1
+    for size, stride in reversed(list(zip(v.shape, v.stride()))):
+        if known(size == 1):
+            continue
+        if not known(stride == expected):
+            return False
+        expected = expected * size
+    return True
+
+
+def _storage(v: torch.Tensor):
+    try:
+        return StorageWeakRef(v.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # a value without a storage: nothing to compare
+        return None
+
+
+def _placement(node: fx.Node) -> tuple:
+    return tuple(node.meta.get(k) for k in _PLACEMENT_KEYS)
+
+
+def contiguous_source(node: fx.Node) -> fx.Node | None:
+    """The farthest node up ``node``'s chain of view ops whose value is the same memory as ``node``'s in
+    the same row-major order; None where there is none or ``node`` is not row-major itself. The chain
+    stays among nodes placed as ``node`` is, but for its last node (the chain's source)."""
+    v = _val(node)
+    if v is None or not row_major(v):
+        return None
+    storage = _storage(v)
+    if storage is None:
+        return None
+    best, src, placement = None, node, _placement(node)
+    while is_view_op(src) and (src is node or _placement(src) == placement):
+        src = src.args[0]
+        s = _val(src)
+        if s is None or s.dtype != v.dtype or _storage(s) != storage:
+            break
+        if known(s.storage_offset() == v.storage_offset()) and known(s.numel() == v.numel()) and row_major(s):
+            best = src
+    return best
+
+
+def _erase_unread_views(graph: fx.Graph, node: fx.Node) -> None:
+    while is_view_op(node) and not node.users:
+        src = node.args[0]
+        graph.erase_node(node)
+        node = src
+
+
+def view_chains_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    graph = gm.graph
+    b = GraphBuilder(graph, tag=None)
+    for node in list(graph.nodes):
+        # chain ends only: a view that only views read is collapsed with them
+        if not is_view_op(node) or all(is_view_op(u) for u in node.users):
+            continue
+        src = contiguous_source(node)
+        # a single reshape of a contiguous tensor is already what Inductor sees through
+        if src is None or (src is node.args[0] and node.target in _RESHAPES):
+            continue
+        shape = list(node.meta["val"].shape)
+        if len(shape) == src.meta["val"].dim() and all(known(a == c) for a, c in zip(shape, src.meta["val"].shape)):
+            new = src
+        else:
+            b.meta_source = node
+            with graph.inserting_before(node):
+                new = b.view(src, shape)
+            for k in ("partitioner_tag", *_PLACEMENT_KEYS):
+                if k in node.meta:
+                    new.meta[k] = node.meta[k]
+        # the graph's outputs keep their nodes (AOTAutograd recorded what each output aliases)
+        if node.replace_all_uses_with(new, delete_user_cb=lambda user: user.op != "output"):
+            ctx.counters["view_chains_collapsed"] += 1
+        _erase_unread_views(graph, node)
+    graph.lint()
+    gm.recompile()
+    return gm

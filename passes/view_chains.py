@@ -119,11 +119,13 @@ def view_chains_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     graph = gm.graph
     b = GraphBuilder(graph, tag=None)
     for node in list(graph.nodes):
-        # chain ends only: a view that only views read is collapsed with them
-        if not is_view_op(node) or all(is_view_op(u) for u in node.users):
+        # chain ends only (a view that only views read is collapsed with them), and not a lone reshape: one
+        # reshape of a tensor is what Inductor sees through or copies anyway (cheap checks first: the
+        # symbolic ones cost a GPT-2-small compile half a second)
+        if not is_view_op(node) or all(is_view_op(u) for u in node.users) or \
+                (node.target in _RESHAPES and not is_view_op(node.args[0])):
             continue
         src = contiguous_source(node)
-        # a single reshape of a contiguous tensor is already what Inductor sees through
         if src is None or (src is node.args[0] and node.target in _RESHAPES):
             continue
         shape = list(node.meta["val"].shape)

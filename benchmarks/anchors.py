@@ -36,6 +36,9 @@ the fastest non-private step of the same shape and dtype.
     python benchmarks/anchors.py --shard --nproc 2 --modes nonprivate,bk --bucket-mb off
                                        # unbucketed collectives (rows "bk unbucketed"); fully_shard's default
                                        # is 64 MiB buckets, overlapped; --bucket-mb 16 [--overlap]: rows "bk b16"
+    python benchmarks/anchors.py --shapes gpt:32x256 --dtypes fp32 --modes nonprivate,bk --unbacked
+                                       # bk on one GPU with the batch size unbacked, as a sharded step compiles
+                                       # it (rows "bk unbacked")
 
 Shapes are MODEL:BxT (B samples per GPU, T tokens): gpt = GPT-2-small (12
 layers, d=768, 12 heads, vocab 50257), llama = Llama-3.2-1B (16 layers,
@@ -210,6 +213,9 @@ def torch_step(spec: dict, model, x, y, device):
     if lib == "dpcompile":
         import dpcompile
 
+        if spec.get("unbacked") and not spec["shard"]:
+            # compiled as a sharded step is: one graph for every batch size (the size unbacked, tuned for B)
+            dpcompile.mark_batch(x, y, hint=spec["B"])
         fn = dpcompile.private_step(train_step, max_grad_norm=1.0, noise_multiplier=1.0,
                                     expected_batch_size=spec["B"] * world, schedule=how,
                                     cudagraphs=spec["mode"] in CUDA_GRAPHS)
@@ -796,6 +802,8 @@ def label(r: dict) -> str:
 def mode_name(r: dict) -> str:
     """The mode, and the collective bucketing it compiled with where not fully_shard's default (--bucket-mb):
     such a run is a row of its own beside the default one."""
+    if r.get("unbacked") and r["mode"] in MODES and MODES[r["mode"]][0] == "dpcompile" and not r.get("shard"):
+        return f"{r['mode']} unbacked"
     if not (r.get("bucket_mb") and r["mode"] in MODES and compiled_mode(r["mode"])):
         return r["mode"]
     if r["bucket_mb"] == "off":
@@ -986,7 +994,7 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
     specs = [dict(model=m, B=b, T=t, dtype=dt, mode=mode, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
                   llama_tied=args.llama_tied, inductor_config=args.inductor_config,
-                  bucket_mb=args.bucket_mb, overlap=args.overlap,
+                  bucket_mb=args.bucket_mb, overlap=args.overlap, unbacked=args.unbacked,
                   memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None,
                   kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None,
                   host_profile=os.path.abspath(args.host_profile) if args.host_profile else None)
@@ -1049,6 +1057,11 @@ def main(argv=None) -> int:
                          "unbucketed, rows marked so; default: fully_shard's (64 MiB, overlapped)")
     ap.add_argument("--overlap", action="store_true",
                     help="with --bucket-mb MiB: also Inductor's compute/communication reordering")
+    ap.add_argument("--unbacked", action="store_true",
+                    help="dpcompile modes on one process compiled with the batch size unbacked "
+                         "(dpcompile.mark_batch(ids, targets, hint=B)), as every sharded step is: rows marked "
+                         "'unbacked', beside the static-batch rows of another call (what the unbacked size costs "
+                         "Inductor, measured on one GPU)")
     ap.add_argument("--llama-tied", action="store_true", help="tie Llama's LM head to its embedding (Opacus refuses)")
     ap.add_argument("--mode-timeout", type=float, default=600, help="seconds one mode may take, compile included")
     ap.add_argument("--logs", default=None, help="directory for each mode's full output")
@@ -1101,6 +1114,8 @@ def main(argv=None) -> int:
         args.iters = args.iters if args.iters is not None else (3 if args.tiny else 10)
         if args.iters < 1 or args.warmup < 0:
             ap.error("--iters must be at least 1 and --warmup at least 0")
+        if args.unbacked and args.shard:
+            ap.error("--unbacked is for one process: a sharded step's batch size is unbacked already")
         if args.overlap and args.bucket_mb in (None, "off"):
             ap.error("--overlap needs --bucket-mb MiB (fully_shard's default overlaps already)")
         if args.nproc is None:

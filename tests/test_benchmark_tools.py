@@ -1,4 +1,4 @@
-"""benchmarks/anchors.py's profile summary: the timeline it reads from a profiled step's kernels."""
+"""benchmarks/anchors.py: the timeline it reads from a profiled step's kernels, and its --unbacked rows."""
 from __future__ import annotations
 
 import os
@@ -21,3 +21,23 @@ def test_gpu_timeline_splits_compute_idle_and_exposed_collectives():
     assert t["gaps"][1] == [0.002, "mm_a", "mm_c"]  # after mm_a's end, not pointwise_b's
     assert len(t["gaps"]) == 2
     assert anchors.gpu_timeline([])["span_ms"] == 0.0
+
+
+def test_unbacked_rows_compile_the_dp_step_with_an_unbacked_batch():
+    """--unbacked: a dpcompile mode on one process marks the batch (as a sharded step has it) and its rows are
+    named apart; the non-private reference stays static."""
+    import torch
+
+    from dpcompile import batching
+
+    spec = dict(model="gpt", B=2, T=8, dtype="fp32", mode="bk", tiny=True, shard=False, llama_tied=False,
+                unbacked=True)
+    torch._dynamo.reset()
+    model = anchors.build_model(spec)
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    step, value = anchors.torch_step(spec, model, x, y, torch.device("cpu"))
+    assert getattr(x, batching._MARK, None) == 0 and getattr(y, batching._MARK, None) == 0
+    assert torch.isfinite(torch.tensor(value(step())))
+    assert anchors.mode_name(spec) == "bk unbacked"
+    assert anchors.mode_name({**spec, "mode": "nonprivate"}) == "nonprivate"
+    assert anchors.mode_name({**spec, "unbacked": False}) == "bk"

@@ -108,6 +108,28 @@ def contiguous_source(node: fx.Node) -> fx.Node | None:
     return best
 
 
+def splits_or_merges(old: list, new: list) -> bool:
+    """Whether ``new`` is ``old`` with each dim split into consecutive dims, or consecutive dims merged into
+    one, the sizes known equal (dims of size one anywhere). Inductor's reshape indexer compares other
+    reshapes' sizes by their hints: on a symbolic size it then adds a guard the step's next call fails
+    (HF Swin's window partition, [16*u0, 4, 2, 4] -> [u0, 64, 8], which the chain reached through a permute)."""
+    a = [s for s in old if not known(s == 1)]
+    b = [s for s in new if not known(s == 1)]
+    i = j = 0
+    while i < len(a) and j < len(b):
+        for x, y, step in ((a, b, 1), (b, a, -1)):  # a dim of one side as consecutive dims of the other
+            k, h = (i, j) if step == 1 else (j, i)
+            prod, m = y[h], h + 1
+            while m < len(y) and not known(prod == x[k]):
+                prod, m = prod * y[m], m + 1
+            if known(prod == x[k]):
+                i, j = (k + 1, m) if step == 1 else (m, k + 1)
+                break
+        else:
+            return False
+    return i == len(a) and j == len(b)
+
+
 def _erase_unread_views(graph: fx.Graph, node: fx.Node) -> None:
     while is_view_op(node) and not node.users:
         src = node.args[0]
@@ -129,6 +151,8 @@ def view_chains_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
         if src is None or (src is node.args[0] and node.target in _RESHAPES):
             continue
         shape = list(node.meta["val"].shape)
+        if not splits_or_merges(list(src.meta["val"].shape), shape):
+            continue
         if len(shape) == src.meta["val"].dim() and all(known(a == c) for a, c in zip(shape, src.meta["val"].shape)):
             new = src
         else:

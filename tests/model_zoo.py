@@ -419,7 +419,7 @@ def _build(name: str, dtype: torch.dtype):
     return model, loss, inputs, targets
 
 
-def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[str, str]:
+def run(name: str, schedule: str, compiler: str, dtype: torch.dtype, off: tuple[str, ...] = ()) -> tuple[str, str]:
     try:
         model, loss, inputs, targets = _build(name, dtype)
     except ImportError as exc:
@@ -430,7 +430,8 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype) -> tuple[st
     except Exception as exc:  # noqa: BLE001 - the model's own plain forward/backward fails: nothing to check
         return "BROKEN", f"the model fails without dpcompile ({type(exc).__name__}: {str(exc).splitlines()[0]})"
     try:
-        check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler)
+        check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler,
+                                disable_passes=list(off))
     except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)
         return _classify(exc)
     finally:
@@ -451,7 +452,8 @@ def shard_blocks(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return dpcompile.fully_shard(model, mesh=mesh)
 
 
-def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, compiler: str, dtype: str) -> None:
+def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, compiler: str, dtype: str,
+                  off: tuple[str, ...] = ()) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -475,7 +477,7 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
 
         torch._dynamo.reset()
         dpcompile.private_step(step, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B + 1,
-                               schedule=schedule, compiler=compiler)(local_in, local_tg)
+                               schedule=schedule, compiler=compiler, disable_passes=list(off))(local_in, local_tg)
         for pname, p in model.named_parameters():
             if not p.requires_grad:
                 continue
@@ -496,12 +498,13 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
     dist.destroy_process_group()
 
 
-def run_sharded(name: str, schedule: str, compiler: str, dtype: torch.dtype, world: int) -> tuple[str, str]:
+def run_sharded(name: str, schedule: str, compiler: str, dtype: torch.dtype, world: int,
+                off: tuple[str, ...] = ()) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         died = ""
         try:
             torch.multiprocessing.spawn(_sharded_rank, args=(world, tmp, name, schedule, compiler,
-                                                             str(dtype).split(".")[-1]), nprocs=world)
+                                                             str(dtype).split(".")[-1], off), nprocs=world)
         except Exception as exc:  # noqa: BLE001 - a rank died: before its result (FAIL) or after it (said)
             died = f"a rank died: {str(exc).splitlines()[-1][:200] if str(exc) else type(exc).__name__}"
         results = []
@@ -524,6 +527,8 @@ def main() -> int:
     # with 4-group GroupNorm: 1e-4 of a gradient's scale) is not mistaken for an error
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     ap.add_argument("--shard", type=int, default=0, metavar="N", help="run sharded on N gloo processes")
+    ap.add_argument("--disable-passes", default="", metavar="A,B",
+                    help="optional passes to skip (the option disable_passes): is a failure theirs?")
     args = ap.parse_args()
     names = list(MODELS) if args.models == "all" else args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
@@ -534,8 +539,9 @@ def main() -> int:
         for schedule in args.schedules.split(","):
             t = time.perf_counter()
             dtype = getattr(torch, args.dtype)
-            status, why = run_sharded(name, schedule, args.compiler, dtype, args.shard) if args.shard > 1 \
-                else run(name, schedule, args.compiler, dtype)
+            off = tuple(p for p in args.disable_passes.split(",") if p)
+            status, why = run_sharded(name, schedule, args.compiler, dtype, args.shard, off) if args.shard > 1 \
+                else run(name, schedule, args.compiler, dtype, off)
             failed |= status == "FAIL"
             print(f"{status:8s} {name:22s} {schedule:6s} {time.perf_counter() - t:5.1f}s  {why[:300]}", flush=True)
     return 1 if failed else 0

@@ -126,3 +126,18 @@ def test_an_unbacked_step_reads_its_gram_operands_as_views_of_their_values(tmp_p
     else:
         assert not chains, chains
         assert rec.counters["view_chains_collapsed"] >= len(operands) // 2
+
+
+def test_only_splits_and_merges_of_dims_are_read_as_one_view():
+    """A reshape that both splits a dim and merges it with the next (HF Swin's window partition under an
+    unbacked batch size) stays a chain: Inductor's reshape indexer guards on such a symbolic size."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dpcompile.passes.view_chains import splits_or_merges
+
+    u = ShapeEnv().create_unbacked_symint()
+    assert splits_or_merges([u, 4, 4, 2, 2, 8], [u, 64, 8])  # merges
+    assert splits_or_merges([64 * u, 3072], [u, 64, 3072])  # a split
+    assert splits_or_merges([u, 16, 1, 1], [u, 1, 16])  # dims of one anywhere
+    assert not splits_or_merges([16 * u, 4, 2, 4], [u, 64, 8])  # 16*u0 split, its 16 merged with the 4
+    assert not splits_or_merges([2, 3, 4], [3, 8])

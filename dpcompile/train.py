@@ -578,6 +578,9 @@ def run_training(*, private: bool, args, ctx: Dist, dev: torch.device, data: dic
     loss_sum, n_samples, tokens = 0.0, 0, 0
     recent: list[tuple[int, float]] = []  # (tokens, seconds) of each step this process ran
     seconds_at = time.perf_counter()
+    # the micro-batch size Inductor tunes the one graph for (its size is unbacked: no hint of its own; without
+    # one Inductor assumes 8192 samples): a rank's expected share of the logical batch, at most a micro-batch
+    hint = max(2, min(args.physical_batch_size, -(-args.batch_size // ctx.world)))
     for idx, last in sampler.micro_batches(max_size=args.physical_batch_size):
         # An empty DP micro-batch still runs (the last one of a step adds the noise), and sharded ranks all run
         # every micro-step (the parameter all-gathers are collectives). The plain (non-private) step is never
@@ -587,14 +590,14 @@ def run_training(*, private: bool, args, ctx: Dist, dev: torch.device, data: dic
             index = torch.tensor(idx, dtype=torch.long)
             ids, targets = train_in[index.to(dev)], train_tg[index.to(dev)]
             if private:
-                dpcompile.mark_batch(ids, targets)  # one graph for every batch size (also 0 and 1)
+                dpcompile.mark_batch(ids, targets, hint=hint)  # one graph for every batch size (also 0 and 1)
                 with dpcompile.accumulate(enabled=not last):
                     loss = step_fn(ids, targets)
             else:
                 weights = torch.ones(len(idx), device=dev)
                 if not idx:
                     ids, targets, weights = train_in[:1], train_tg[:1], torch.zeros(1, device=dev)
-                dpcompile.mark_batch(ids, targets, weights)
+                dpcompile.mark_batch(ids, targets, weights, hint=hint)
                 loss = step_fn(ids, targets, weights)
             if idx:
                 # the DP step returns the micro-batch's mean, the plain one its sum / expected batch size

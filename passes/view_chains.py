@@ -153,7 +153,8 @@ def view_chains_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
         shape = list(node.meta["val"].shape)
         if not splits_or_merges(list(src.meta["val"].shape), shape):
             continue
-        if len(shape) == src.meta["val"].dim() and all(known(a == c) for a, c in zip(shape, src.meta["val"].shape)):
+        same = len(shape) == src.meta["val"].dim() and all(known(a == c) for a, c in zip(shape, src.meta["val"].shape))
+        if same:
             new = src
         else:
             b.meta_source = node
@@ -165,6 +166,8 @@ def view_chains_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
         # the graph's outputs keep their nodes (AOTAutograd recorded what each output aliases)
         if node.replace_all_uses_with(new, delete_user_cb=lambda user: user.op != "output"):
             ctx.counters["view_chains_collapsed"] += 1
+        elif new is not src:
+            graph.erase_node(new)
         _erase_unread_views(graph, node)
     graph.lint()
     gm.recompile()

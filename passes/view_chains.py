@@ -20,7 +20,9 @@ value of the size symbols: the pass checks it on the fake values' sizes,
 strides and storages (``statically_known_true``) and leaves a chain alone
 where a check is not known. A reshape that copied (its fake value has a
 storage of its own) ends the walk; so does ghost's second backward (a walk
-does not leave it for the first backward's value).
+does not leave it for the first backward's value). Only a view that splits
+dims or merges consecutive ones is made (``splits_or_merges``): Inductor
+guards on other reshapes of a symbolic size.
 
 It runs on the partitioned backward graph: on the joint graph, a backward
 contraction reading a forward value directly (instead of through backward

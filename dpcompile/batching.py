@@ -69,8 +69,12 @@ def batch_hint(config) -> int | None:
     ebs = config.expected_batch_size
     if not ebs:
         return None
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return max(2, -(-int(ebs) // world))
+    return rank_share(ebs, torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+
+
+def rank_share(expected_batch_size: int, world: int) -> int:
+    """A rank's expected number of samples, at least 2 (Inductor's hint for an unbacked batch size)."""
+    return max(2, -(-int(expected_batch_size) // world))
 
 
 def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> None:

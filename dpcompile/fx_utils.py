@@ -42,6 +42,20 @@ def known(cond: Any) -> bool:
     return statically_known_true(cond)
 
 
+def contiguous_strides(shape) -> list:
+    strides, acc = [], 1
+    for n in reversed(list(shape)):
+        strides.append(acc)
+        acc = acc * n
+    return strides[::-1]
+
+
+def row_major(shape, stride) -> bool:
+    """The strides are the contiguous ones of the shape for every value of the symbols in them (a dim of size
+    one may have any stride)."""
+    return all(known(s == c) or known(n == 1) for s, c, n in zip(stride, contiguous_strides(shape), shape))
+
+
 def clean_module_path(path: str) -> str:
     """``L['model']._modules['fc']`` / ``G['m'].layers[0].fc`` -> ``fc`` / ``layers.0.fc``."""
     path = re.sub(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r".\1", path)

@@ -33,7 +33,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
-def _storage(v) -> StorageWeakRef | None:
+def storage_of(v) -> StorageWeakRef | None:
+    """A strided tensor's storage, to compare by identity (fake values' too); None for anything else."""
     if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
         return None
     try:
@@ -65,7 +66,7 @@ def merge_identical_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd
     dropped: list[int] = []
     for i in range(num_fwd_outputs, len(outs)):
         node = outs[i]
-        if not isinstance(node, fx.Node) or node.name not in bw_input or _storage(node.meta.get("val")) is None:
+        if not isinstance(node, fx.Node) or node.name not in bw_input or storage_of(node.meta.get("val")) is None:
             continue
         key = _key(node)
         if key is None:
@@ -91,7 +92,7 @@ def merge_identical_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd
 def without_aliases(donated: list[int], saved_tensors: list, offset: int) -> list[int]:
     """The donated indexes (``offset`` + position among saved_tensors) whose saved tensor shares its storage
     with no other saved tensor."""
-    refs = [_storage(t) for t in saved_tensors]
+    refs = [storage_of(t) for t in saved_tensors]
     shared = {r for r, n in Counter(r for r in refs if r is not None).items() if n > 1}
     return [i for i in donated if not (0 <= i - offset < len(refs) and refs[i - offset] in shared)]
 

@@ -74,6 +74,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpcompile
+from dpcompile.batching import rank_share
 
 PAD = 256  # pad token; also the begin-of-record input
 VOCAB = 257  # 256 byte values + PAD
@@ -580,7 +581,7 @@ def run_training(*, private: bool, args, ctx: Dist, dev: torch.device, data: dic
     seconds_at = time.perf_counter()
     # the micro-batch size Inductor tunes the one graph for (its size is unbacked: no hint of its own; without
     # one Inductor assumes 8192 samples): a rank's expected share of the logical batch, at most a micro-batch
-    hint = max(2, min(args.physical_batch_size, -(-args.batch_size // ctx.world)))
+    hint = max(2, min(args.physical_batch_size, rank_share(args.batch_size, ctx.world)))
     for idx, last in sampler.micro_batches(max_size=args.physical_batch_size):
         # An empty DP micro-batch still runs (the last one of a step adds the noise), and sharded ranks all run
         # every micro-step (the parameter all-gathers are collectives). The plain (non-private) step is never

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from dpcompile.buffer_reuse import PHASE_KEY
-from dpcompile.fx_utils import GraphBuilder, known
+from dpcompile.fx_utils import GraphBuilder, known, row_major
+from dpcompile.saved_aliases import storage_of
 from .context import DPPassContext
 
 aten = torch.ops.aten
@@ -51,9 +51,6 @@ VIEW_OPS = frozenset({
     *([aten.squeeze.dims] if hasattr(aten.squeeze, "dims") else []),
 })
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-# which backward a node is in (ghost's two, buffer_reuse): a walk never crosses into the other one, which would
-# make ghost's second backward read a first-backward value instead of its own copy of it
-_PLACEMENT_KEYS = (PHASE_KEY,)
 
 
 def _val(node: Any) -> torch.Tensor | None:
@@ -65,28 +62,8 @@ def is_view_op(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in VIEW_OPS and isinstance(node.args[0], fx.Node)
 
 
-def row_major(v: torch.Tensor) -> bool:
-    """v's strides are the contiguous ones of its shape, for every value of the symbols in them (a dim of
-    size one may have any stride)."""
-    expected: Any = 1
-    for size, stride in reversed(list(zip(v.shape, v.stride()))):
-        if known(size == 1):
-            continue
-        if not known(stride == expected):
-            return False
-        expected = expected * size
-    return True
-
-
-def _storage(v: torch.Tensor):
-    try:
-        return StorageWeakRef(v.untyped_storage())
-    except (NotImplementedError, RuntimeError):  # a value without a storage: nothing to compare
-        return None
-
-
-def _placement(node: fx.Node) -> tuple:
-    return tuple(node.meta.get(k) for k in _PLACEMENT_KEYS)
+def _row_major(v: torch.Tensor) -> bool:
+    return row_major(v.shape, v.stride())
 
 
 def contiguous_source(node: fx.Node) -> fx.Node | None:
@@ -94,18 +71,20 @@ def contiguous_source(node: fx.Node) -> fx.Node | None:
     the same row-major order; None where there is none or ``node`` is not row-major itself. The chain
     stays among nodes placed as ``node`` is, but for its last node (the chain's source)."""
     v = _val(node)
-    if v is None or not row_major(v):
+    if v is None or not _row_major(v):
         return None
-    storage = _storage(v)
+    storage = storage_of(v)
     if storage is None:
         return None
-    best, src, placement = None, node, _placement(node)
-    while is_view_op(src) and (src is node or _placement(src) == placement):
+    # which backward the chain is in (ghost's two, buffer_reuse): the walk never crosses into the other one,
+    # which would make ghost's second backward read a first-backward value instead of its own copy of it
+    best, src, phase = None, node, node.meta.get(PHASE_KEY)
+    while is_view_op(src) and (src is node or src.meta.get(PHASE_KEY) == phase):
         src = src.args[0]
         s = _val(src)
-        if s is None or s.dtype != v.dtype or _storage(s) != storage:
+        if s is None or s.dtype != v.dtype or storage_of(s) != storage:
             break
-        if known(s.storage_offset() == v.storage_offset()) and known(s.numel() == v.numel()) and row_major(s):
+        if known(s.storage_offset() == v.storage_offset()) and known(s.numel() == v.numel()) and _row_major(s):
             best = src
     return best
 
@@ -162,7 +141,7 @@ def view_chains_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
             b.meta_source = node
             with graph.inserting_before(node):
                 new = b.view(src, shape)
-            for k in ("partitioner_tag", *_PLACEMENT_KEYS):
+            for k in ("partitioner_tag", PHASE_KEY):
                 if k in node.meta:
                     new.meta[k] = node.meta[k]
         # the graph's outputs keep their nodes (AOTAutograd recorded what each output aliases)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dpcompile.fx_utils import known
+from dpcompile.fx_utils import known, row_major
 
 from ..batch_state import SINGLE, Batched, fail_layout, ndim, norm_dim, shape_of, view_layout
 
@@ -263,20 +263,12 @@ def _slice_scatter(an, node):
     return found
 
 
-def _contiguous_strides(shape) -> list:
-    strides, acc = [], 1
-    for n in reversed(list(shape)):
-        strides.append(acc)
-        acc = acc * n
-    return strides[::-1]
-
-
 def _whole_and_row_major(size, stride, offset, base) -> bool:
     """size/stride/offset address every entry of the contiguous tensor ``base``, in row-major order (the
     strides of size-1 dims do not matter)."""
     return known(prod_of(size) == base.numel()) and (offset is None or known(offset == 0)) and \
         base.is_contiguous() and known(base.storage_offset() == 0) and \
-        all(known(a == b) or known(n == 1) for a, b, n in zip(stride, _contiguous_strides(size), size))
+        row_major(size, stride)
 
 
 def _as_strided(an, node):

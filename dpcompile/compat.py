@@ -15,6 +15,18 @@ raises on an unbacked batch size even when the user gave a hint
 (``hint_override``); newer torch asks ``optimization_hint``, which uses the
 hint. ``hint_mix_order_split`` makes the older codegen do the same.
 
+torch 2.11's scheduler scores a fusion by the bytes two nodes share, and it
+scores every buffer whose size has an unbacked symbol as 0 bytes, hint or
+not; a score of 0 forbids the fusion. Under an unbacked batch size almost
+every buffer has one, so a LayerNorm's mean and variance, a matmul's bias and
+the residual add that follows it, the softmax's max and sum each became
+kernels of their own (41 launches against 12 for a two-layer GPT forward on
+one H200). Newer torch scores such a buffer by its size at the hint when
+every unbacked symbol in it has one (``hint_override``, which
+``mark_batch(..., hint=)`` and sharded steps give); ``hint_fusion_scores``
+does the same on the older scheduler. The score is a heuristic: what may be
+fused is decided elsewhere, so this changes no value.
+
 ``nll_loss_nd`` (``F.cross_entropy`` / ``F.nll_loss`` on ``[N, C, d1, ...]``,
 the class dim 1 form) branches on ``numel > 0`` in C++ (torch 2.11 and 2.13),
 which dynamo cannot decide for an unbacked batch size: it graph-breaks inside
@@ -73,6 +85,7 @@ import sys
 
 _done = False
 _mix_order_done = False
+_fusion_scores_done = False
 
 
 def guard_empty_y_grid() -> None:
@@ -158,6 +171,42 @@ def hint_mix_order_split() -> None:
         return codegen
 
     _wrap_once(SIMDScheduling, "_codegen_mix_order_reduction", wrap)
+
+
+def hint_fusion_scores(*, force: bool = False) -> None:
+    """On a torch whose scheduler scores unbacked buffers 0 even when hinted, score them at the hint
+    (``force``: also where torch does it itself, for tests)."""
+    global _fusion_scores_done
+    if _fusion_scores_done and not force:
+        return
+    _fusion_scores_done = True
+    try:
+        from torch._inductor.graph import GraphLowering
+        from torch._inductor.sizevars import SizeVarAllocator
+    except ImportError:
+        return
+    if hasattr(SizeVarAllocator, "all_unbacked_explicitly_hinted") and not force:
+        return  # this torch scores hinted unbacked buffers itself
+
+    def wrap(original):
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        def get_dep_size_hint(self, dep, count_bytes: bool = True) -> int:
+            size = original(self, dep, count_bytes)
+            if size:
+                return size
+            try:
+                unbacked = free_unbacked_symbols(dep.get_numel())
+                if not unbacked or not unbacked <= self.sizevars.shape_env.var_to_hint_override.keys():
+                    return size
+                size = dep.numbytes_hint() if count_bytes else dep.numel_hint()
+            except (KeyError, NotImplementedError):  # as the original: a dep of no buffer, no layout
+                return size
+            self.dep_size_hint_cache[(dep, count_bytes)] = size
+            return size
+        return get_dep_size_hint
+
+    _wrap_once(GraphLowering, "get_dep_size_hint", wrap)
 
 
 def cpp_wrapper_any_args() -> None:

@@ -2,7 +2,7 @@
 import pytest
 
 import dpcompile
-from dpcompile.compat import guard_empty_y_grid, hint_mix_order_split, unbacked_size_hints
+from dpcompile.compat import guard_empty_y_grid, hint_fusion_scores, hint_mix_order_split, unbacked_size_hints
 
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 
@@ -43,6 +43,69 @@ def test_mix_order_split_patch_only_where_torch_still_asks_size_hint():
     original = getattr(fn, "_dpcompile_original", fn)
     asks_size_hint = "sizevars.size_hint(numel)" in inspect.getsource(original)
     assert getattr(fn, "_dpcompile_guarded", False) == asks_size_hint
+
+
+def _scheduled_nodes(step, x, hint, monkeypatch) -> int:
+    """How many nodes (kernels and extern calls) Inductor's scheduler leaves after fusing step's graph."""
+    import torch
+    from torch._inductor.scheduler import Scheduler
+
+    counts = []
+    original = Scheduler.fuse_nodes
+
+    def fuse_nodes(self, nodes):
+        fused = original(self, nodes)
+        counts.append(len(fused))
+        return fused
+
+    monkeypatch.setattr(Scheduler, "fuse_nodes", fuse_nodes)
+    if hint is not None:
+        torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=hint)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        torch.compile(step)(x)
+    return sum(counts)
+
+
+def _unhinted_dep_scores(self, dep, count_bytes=True):
+    """torch 2.11's GraphLowering.get_dep_size_hint: 0 bytes for a buffer with an unbacked size, hint or not."""
+    if (dep, count_bytes) not in self.dep_size_hint_cache:
+        size = 0
+        try:
+            if not dep.has_unbacked_symbols():
+                size = dep.numbytes_hint() if count_bytes else dep.numel_hint()
+        except KeyError:
+            pass
+        self.dep_size_hint_cache[(dep, count_bytes)] = size
+    return self.dep_size_hint_cache[(dep, count_bytes)]
+
+
+def test_hinted_unbacked_batch_fuses_as_newer_torch_does(monkeypatch):
+    """A LayerNorm, a Linear with bias, GELU and a residual, forward and backward, the batch unbacked and
+    hinted. The older scheduler's scoring (installed here) leaves more nodes unfused (its fusions score 0);
+    with hint_fusion_scores it leaves as many as the newer scheduler (which scores hinted buffers itself),
+    within one of a fixed batch's."""
+    import torch
+    import torch.nn.functional as F
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.sizevars import SizeVarAllocator
+
+    w, b, g = (torch.randn(32, 32, requires_grad=True), torch.randn(32, requires_grad=True),
+               torch.randn(32, requires_grad=True))
+
+    def step(x):
+        h = F.layer_norm(x, (32,), g) @ w + b
+        (F.gelu(h) + x).sum().backward()
+
+    fixed = _scheduled_nodes(step, torch.randn(6, 8, 32), None, monkeypatch)
+    native = _scheduled_nodes(step, torch.randn(6, 8, 32), 6, monkeypatch)
+    monkeypatch.setattr(GraphLowering, "get_dep_size_hint", _unhinted_dep_scores)
+    unhinted = _scheduled_nodes(step, torch.randn(6, 8, 32), 6, monkeypatch)
+    hint_fusion_scores(force=True)
+    hinted = _scheduled_nodes(step, torch.randn(6, 8, 32), 6, monkeypatch)
+    assert unhinted > hinted and hinted <= fixed + 1, (fixed, unhinted, hinted)
+    if hasattr(SizeVarAllocator, "all_unbacked_explicitly_hinted"):
+        assert hinted == native, (native, hinted)
 
 
 def test_k_dimensional_cross_entropy_traces_whole_with_an_unbacked_batch():

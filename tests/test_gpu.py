@@ -54,6 +54,45 @@ def test_cuda_matches_reference(case, schedule):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("case", ["gpt", "llama", "norms", "conv_kinds", "embedding_padding", "routed_experts"])
+def test_cuda_unbacked_batch_matches_reference(case, schedule):
+    """One graph for every batch size, as sharded and Poisson-sampled steps compile it (the batch unbacked,
+    with Inductor's hint): batches of 5, 3 and 1 through one compile, each exact against the fp64 oracle. On
+    torch 2.11 this is also where Inductor fuses by hinted sizes (compat.hint_fusion_scores)."""
+    _unbacked_steps_match_reference(case, schedule, "cuda")
+
+
+def _unbacked_steps_match_reference(case, schedule, device):
+    c = CASES[case]
+    model = c.model()
+    gpu = copy.deepcopy(model).to(device)
+    inputs, targets = c.data(5)
+    _, norms = dp_reference(model, c.loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=5)
+    C = float(norms.median())
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, schedule=schedule)
+
+    def step(xs, ts):
+        l = c.loss(gpu(*xs).float(), *ts).mean()
+        l.backward()
+        return l.detach()
+
+    compiled = torch.compile(step, backend=backend)
+    for n in (5, 3, 1):
+        xs, ts = (inputs, targets) if n == 5 else c.data(n)
+        ref, _ = dp_reference(model, c.loss, xs, ts, max_grad_norm=C, expected_batch_size=5)
+        xs, ts = tuple(x.to(device) for x in xs), tuple(t.to(device) for t in ts)
+        dpcompile.mark_batch(*xs, *ts, hint=4)
+        for p in gpu.parameters():
+            p.grad = None
+        compiled(xs, ts)
+        for name, p in gpu.named_parameters():
+            atol = 1e-6 + 1e-5 * float(ref[name].abs().max())
+            torch.testing.assert_close(p.grad.double().cpu(), ref[name], rtol=1e-4, atol=atol,
+                                       msg=lambda m: f"batch {n}, {name}: {m}")
+    assert len([r for r in backend.compiled if r.dp]) == 1  # one graph for the three sizes
+
+
 @pytest.mark.parametrize("case", ["gpt", "conv_kinds"])
 def test_cuda_precompiled_steps_match_reference(case, monkeypatch):
     """DPCOMPILE_PRECOMPILE=1: every kernel op's launches are made out from the graphs and compiled ahead, and

@@ -42,6 +42,10 @@ batch size cannot answer (``size_oblivious_reshape``: the -1 inferred in Python,
 The autograd formula of ``repeat`` asks whether each count is 1, which an unbacked count (a repeat over the
 batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backward does not ask).
 
+A convolution of a channels-last input with an unbacked batch size: torch's stride check takes a size that
+may be 0 as "not channels-last", so fake and real outputs disagreed (``size_oblivious_channels_last``: an
+unbacked size taken as nonzero there).
+
 ``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
 (``size_oblivious_norm_batch_check``: asked with ``guard_or_false``).
 
@@ -344,6 +348,55 @@ def size_oblivious_repeat() -> None:
     for key in (DispatchKey.AutogradCPU, DispatchKey.AutogradCUDA):
         if key not in op.py_kernels:
             op.py_impl(key)(repeat)
+
+
+def size_oblivious_channels_last() -> None:
+    """A convolution's output layout follows its input's (``suggest_memory_format``): channels-last strides in,
+    channels-last out, eager and fake tensors alike. torch's Python check of the strides
+    (``_prims_common.are_strides_like_channels_last_or_false``, torch 2.11 and 2.13) answers "not channels-last"
+    when a size might be 0, which an unbacked batch size always might; so for a convolution reading a
+    channels-last input (ConvNeXt: a LayerNorm over channels between permutes) the fake output was contiguous,
+    the real one channels-last, and Inductor's stride assert stopped the step (stock ``torch.compile`` with
+    ``mark_unbacked`` too). Where a size has an unbacked symbol the check is ``channels_last_strides``, which
+    takes it as nonzero: the layout of an empty tensor is never read (Inductor's assert skips its strides,
+    kernels touch none of it) and eager keeps an empty channels-last input channels-last. Any other shape is
+    torch's own check."""
+    import torch._prims_common as prims_common
+
+    def wrap(original):
+        def are_strides_like_channels_last_or_false(shape, strides):
+            if len(shape) not in (4, 5) or not any(_unbacked(s) for s in shape):
+                return original(shape, strides)
+            return channels_last_strides(shape, strides)
+        return are_strides_like_channels_last_or_false
+
+    _wrap_once(prims_common, "are_strides_like_channels_last_or_false", wrap)
+
+
+def _unbacked(size) -> bool:
+    import torch
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size.node.expr))
+
+
+def channels_last_strides(shape, strides) -> bool:
+    """Whether 4-d (5-d) strides are NHWC (NDHWC): channels innermost, then the spatial dims from the last, the
+    batch outermost, each dim's stride at least the extent of the dims inside it; spatial dims spanning no more
+    than the channels' stride are size one, ambiguous, and not channels-last. What cannot be decided is not
+    channels-last, except that a size with an unbacked symbol is taken as nonzero."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+
+    if len(shape) not in (4, 5) or guard_or_true(strides[1] == 0):
+        return False
+    extent = 0
+    for d in [1, *range(len(shape) - 1, 1, -1), 0]:
+        if (guard_or_false if _unbacked(shape[d]) else guard_or_true)(shape[d] == 0):
+            return False
+        if guard_or_true(strides[d] < extent) or (d == 0 and guard_or_true(extent == strides[1])):
+            return False
+        extent = strides[d] * shape[d]
+    return True
 
 
 def size_oblivious_norm_batch_check() -> None:

@@ -333,3 +333,65 @@ def test_attention_kernel_without_a_mask_is_torchs_own():
     for causal in (False, True):
         torch.testing.assert_close(kernel(q, k, v, None, 0.0, causal),
                                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+
+def test_channels_last_check_agrees_with_torchs_on_static_shapes():
+    """dpcompile's stride check (used where a size is unbacked) answers as torch's own on static shapes: random
+    4-d and 5-d shapes with sizes 0 and 1, strides of random dim orders, some padded, some degenerate."""
+    import random
+
+    import torch._prims_common as prims_common
+
+    from dpcompile.compat import channels_last_strides, size_oblivious_channels_last
+
+    size_oblivious_channels_last()
+    check = prims_common.are_strides_like_channels_last_or_false
+    torchs = getattr(check, "_dpcompile_original", check)
+    rng = random.Random(0)
+    answers = set()
+    for _ in range(3000):
+        nd = rng.choice([4, 5])
+        shape = [rng.choice([0, 1, 1, 2, 3, 4]) for _ in range(nd)]
+        order = list(range(nd))
+        rng.shuffle(order)
+        strides, extent = [0] * nd, 1
+        for d in reversed(order):
+            strides[d] = extent
+            extent *= max(shape[d], 1) + rng.choice([0, 0, 0, 1])
+        if rng.random() < 0.1:
+            strides[rng.randrange(nd)] = rng.choice([0, 1, 2])
+        expected = torchs(shape, strides)
+        assert channels_last_strides(shape, strides) == expected, (shape, strides)
+        answers.add(expected)
+    assert answers == {True, False}
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_convolution_of_a_channels_last_input_with_an_unbacked_batch(schedule):
+    """ConvNeXt's pattern: a LayerNorm over channels between permutes, then a (depthwise) convolution of the
+    channels-last result. With the batch unbacked, torch's stride check took the input for contiguous (the batch
+    might be empty), the convolution's fake output disagreed with its real one and Inductor's stride assert
+    stopped the step (stock torch.compile too). Exact against the oracle for batches of 3 and 1."""
+    import torch
+    import torch.nn as nn
+
+    import models as M
+    from helpers import check_against_reference
+
+    class ChannelsLastConvs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch, self.norm = nn.Conv2d(3, 8, 2, stride=2), nn.LayerNorm(8)
+            self.dw, self.head = nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.norm(self.patch(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # channels-last strides
+            return self.head(self.dw(h).mean((2, 3)))
+
+    for B in (3, 1):
+        torch.manual_seed(B)
+        x, y = torch.randn(B, 3, 8, 8), torch.randn(B, 3)
+        dpcompile.mark_batch(x, y)
+        backend = check_against_reference(ChannelsLastConvs(), M.mse, (x,), (y,), schedule=schedule)
+        (record,) = [r for r in backend.compiled if r.dp]
+        assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]

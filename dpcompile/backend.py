@@ -345,7 +345,8 @@ class DPPartitioner(CustomPartitionerFn):
         # ghost: the second backward's own copies of the pointwise values both backwards read
         copy_shared_values_into_second_backward(bw, ctx.counters)
         for p in BACKWARD_PASSES:
-            if p.name not in self.backend.config.disable_passes:
+            if p.name not in self.backend.config.disable_passes and \
+                    (not p.inductor_only or self.backend.config.compiler == "inductor"):
                 bw = p.fn(bw, ctx)
         # dpcompile's Triton kernels compiled in threads while Inductor compiles these graphs, not at first launch
         precompiled = precompile_kernels([fw, bw])

@@ -373,6 +373,20 @@ def size_oblivious_channels_last() -> None:
     _wrap_once(prims_common, "are_strides_like_channels_last_or_false", wrap)
 
 
+def conv_backward_layout_follows_input() -> bool:
+    """Whether this torch's fake ``convolution_backward`` lays the input gradient out as the convolution's
+    input and weight (as the CPU and GPU kernels do; torch 2.13), not as the output gradient and weight (torch
+    2.11: a channels-last input with a contiguous output gradient gets a channels-last gradient for real and a
+    contiguous fake one, which Inductor's stride assert stops, with an unbacked batch)."""
+    try:
+        import torch._meta_registrations as meta
+
+        source = inspect.getsource(meta.meta_convolution_backward)
+    except (AttributeError, OSError, TypeError):
+        return True
+    return "_conv_memory_format(grad_output_" not in source
+
+
 def _unbacked(size) -> bool:
     import torch
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols

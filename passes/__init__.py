@@ -40,6 +40,9 @@ class Pass:
     name: str
     fn: Callable[[fx.GraphModule, DPPassContext], fx.GraphModule]
     optional: bool = False
+    # only where Inductor compiles the graph: it rests on the fake values' strides, which Inductor's code keeps
+    # and an eager run of the graph need not (a CUDA kernel may return other strides than its meta predicts)
+    inductor_only: bool = False
 
 
 PASSES: tuple[Pass, ...] = (
@@ -72,7 +75,7 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     # the norm rewrite's view chains as one view each: Inductor copies a chain it cannot see through (an
     # unbacked batch size), computing the value twice. After the partition: on the joint graph, a chain's
     # end read straight from a forward value makes the min-cut keep that value instead of recomputing it
-    Pass("view_chains", view_chains_pass, optional=True),
+    Pass("view_chains", view_chains_pass, optional=True, inductor_only=True),
     Pass("inplace_row_masks", inplace_row_masks_pass, optional=True),
 )
 

@@ -29,7 +29,10 @@ contraction reading a forward value directly (instead of through backward
 views) makes the min-cut partitioner keep that value rather than recompute
 it (ghost's backward peak on tests/test_generated_code.py's GPT: 10.1 MB
 instead of 8.6). The graph's outputs keep their nodes (AOTAutograd recorded
-what each one aliases). Counter: ``view_chains_collapsed``.
+what each one aliases). Only for Inductor (``compiler="inductor"``): its code keeps the
+fake values' strides, where an eager run of the graph need not (on a CUDA
+GPU, the padded routed-experts step run eagerly: a view the pass made failed
+on its source's real strides). Counter: ``view_chains_collapsed``.
 """
 from __future__ import annotations
 

@@ -366,6 +366,9 @@ def test_channels_last_check_agrees_with_torchs_on_static_shapes():
     assert answers == {True, False}
 
 
+@pytest.mark.xfail(not __import__("dpcompile.compat").compat.conv_backward_layout_follows_input(), strict=True,
+                   reason="this torch's fake convolution_backward lays the input gradient out as the output "
+                          "gradient, its kernels as the input (torch 2.11): the backward's stride assert fails")
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 def test_convolution_of_a_channels_last_input_with_an_unbacked_batch(schedule):
     """ConvNeXt's pattern: a LayerNorm over channels between permutes, then a (depthwise) convolution of the

@@ -128,6 +128,25 @@ def test_an_unbacked_step_reads_its_gram_operands_as_views_of_their_values(tmp_p
         assert rec.counters["view_chains_collapsed"] >= len(operands) // 2
 
 
+def test_an_eagerly_run_step_keeps_its_chains():
+    """compiler="eager" runs the graph op by op, where an op's real strides need not be its fake value's (a CUDA
+    kernel may lay its output out otherwise): the pass, which rests on the fake strides, does not run there."""
+    import models as M
+    from helpers import check_against_reference
+
+    import dpcompile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = M.GPT(vocab=32, d=16, n_head=2, n_layer=2, max_t=8)
+    ids, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    dpcompile.mark_batch(ids, y)
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule="bk", linear_norm="ghost",
+                                      compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert "view_chains_collapsed" not in rec.counters, rec.counters
+
+
 def test_only_splits_and_merges_of_dims_are_read_as_one_view():
     """A reshape that both splits a dim and merges it with the next (HF Swin's window partition under an
     unbacked batch size) stays a chain: Inductor's reshape indexer guards on such a symbolic size."""

@@ -94,14 +94,9 @@ def test_a_graph_output_keeps_its_node():
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"][-1] is torch.ops.aten.view.default
 
 
-@pytest.mark.parametrize("passes_off", [(), ("view_chains",)])
-def test_an_unbacked_step_reads_its_gram_operands_as_views_of_their_values(tmp_path, passes_off):
-    """A step with an unbacked batch size (a sharded step's; here dpcompile.mark_batch on one process): the
-    Gram kernels read their operands as one view of a value the backward holds (Inductor made a copy of
-    each chain, on CUDA a second GELU per layer), and the gradients stay exact. With the pass off the
-    chains are there (what the test would see if the pass did nothing)."""
-    import re
-
+def _unbacked_gpt_step(**options):
+    """A two-block GPT's bk step with its batch marked unbacked (a sharded step's; one process here), exact
+    against the oracle; its DP record."""
     import models as M
     from helpers import check_against_reference
 
@@ -112,9 +107,19 @@ def test_an_unbacked_step_reads_its_gram_operands_as_views_of_their_values(tmp_p
     model = M.GPT(vocab=32, d=16, n_head=2, n_layer=2, max_t=8)
     ids, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
     dpcompile.mark_batch(ids, y)
-    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule="bk", linear_norm="ghost",
-                                      dump_dir=str(tmp_path), disable_passes=list(passes_off))
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule="bk", linear_norm="ghost", **options)
     (rec,) = [r for r in backend.compiled if r.dp]
+    return rec
+
+
+@pytest.mark.parametrize("passes_off", [(), ("view_chains",)])
+def test_an_unbacked_step_reads_its_gram_operands_as_views_of_their_values(tmp_path, passes_off):
+    """A step with an unbacked batch size: the Gram kernels read their operands as one view of a value the
+    backward holds (Inductor made a copy of each chain, on CUDA a second GELU per layer), and the gradients
+    stay exact. With the pass off the chains are there (what the test would see if the pass did nothing)."""
+    import re
+
+    rec = _unbacked_gpt_step(dump_dir=str(tmp_path), disable_passes=list(passes_off))
     (bw,) = tmp_path.rglob("*_backward.py")
     code = bw.read_text()
     defined = dict(re.findall(r"^\s*(\w+): \"[^\"]*\" = torch\.ops\.(\S+?)\(", code, re.M))
@@ -131,19 +136,7 @@ def test_an_unbacked_step_reads_its_gram_operands_as_views_of_their_values(tmp_p
 def test_an_eagerly_run_step_keeps_its_chains():
     """compiler="eager" runs the graph op by op, where an op's real strides need not be its fake value's (a CUDA
     kernel may lay its output out otherwise): the pass, which rests on the fake strides, does not run there."""
-    import models as M
-    from helpers import check_against_reference
-
-    import dpcompile
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = M.GPT(vocab=32, d=16, n_head=2, n_layer=2, max_t=8)
-    ids, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
-    dpcompile.mark_batch(ids, y)
-    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule="bk", linear_norm="ghost",
-                                      compiler="eager")
-    (rec,) = [r for r in backend.compiled if r.dp]
+    rec = _unbacked_gpt_step(compiler="eager")
     assert "view_chains_collapsed" not in rec.counters, rec.counters
 
 

@@ -44,7 +44,8 @@ batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backwar
 
 A convolution of a channels-last input with an unbacked batch size: torch's stride check takes a size that
 may be 0 as "not channels-last", so fake and real outputs disagreed (``size_oblivious_channels_last``: an
-unbacked size taken as nonzero there).
+unbacked size taken as nonzero there); torch 2.11's fake ``convolution_backward`` lays its gradients out as
+the output gradient where its kernels follow the input (``conv_backward_layout_as_input``: torch 2.13's rule).
 
 ``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
 (``size_oblivious_norm_batch_check``: asked with ``guard_or_false``).
@@ -385,6 +386,52 @@ def conv_backward_layout_follows_input() -> bool:
     except (AttributeError, OSError, TypeError):
         return True
     return "_conv_memory_format(grad_output_" not in source
+
+
+_conv_backward_meta_lib = None  # the Library holding conv_backward_layout_as_input's Meta kernel (kept alive)
+
+
+def conv_backward_layout_as_input(*, force: bool = False) -> None:
+    """On a torch whose fake ``convolution_backward`` lays the input and weight gradients out as the output
+    gradient (torch 2.11; ``conv_backward_layout_follows_input``), lay them out as the kernels do: channels-last
+    where the input or the weight is (torch 2.13's rule, pytorch/pytorch#171622). A fixed batch size never
+    reaches this (the fake kernel asks the real backend's choice); a graph with an unbacked batch size does, and
+    a channels-last input with a contiguous output gradient (ConvNeXt) then got a contiguous fake gradient, a
+    channels-last real one, and Inductor's stride assert. ``force``: also where torch has the rule (tests)."""
+    global _conv_backward_meta_lib
+    if _conv_backward_meta_lib is not None or (conv_backward_layout_follows_input() and not force):
+        return
+    import warnings
+
+    import torch
+    import torch._prims_common as prims_common
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.convolution_backward.default
+    original = op.py_kernels.get(DispatchKey.Meta)
+    if original is None:
+        return
+
+    def layout(input, weight):
+        formats = {prims_common.suggest_memory_format(input), prims_common.suggest_memory_format(weight)}
+        for fmt in (torch.channels_last, torch.channels_last_3d):
+            if fmt in formats:
+                return fmt
+        return torch.contiguous_format
+
+    def convolution_backward(grad_output, input, weight, *args, **kwargs):
+        grads = original(grad_output, input, weight, *args, **kwargs)
+        fmt = layout(input, weight)
+        return tuple(g if g is None or i == 2 else g.to(memory_format=fmt) for i, g in enumerate(grads))
+
+    convolution_backward._dpcompile_guarded = True
+    convolution_backward._dpcompile_original = original
+    op.py_kernels[DispatchKey.Meta] = convolution_backward  # what the Python dispatcher (tracing) calls
+    op._dispatch_cache.clear()
+    _conv_backward_meta_lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
+        warnings.simplefilter("ignore")
+        _conv_backward_meta_lib.impl("convolution_backward", convolution_backward, "Meta")  # and the C++ one
 
 
 def _unbacked(size) -> bool:

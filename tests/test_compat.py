@@ -366,15 +366,9 @@ def test_channels_last_check_agrees_with_torchs_on_static_shapes():
     assert answers == {True, False}
 
 
-@pytest.mark.xfail(not __import__("dpcompile.compat").compat.conv_backward_layout_follows_input(), strict=True,
-                   reason="this torch's fake convolution_backward lays the input gradient out as the output "
-                          "gradient, its kernels as the input (torch 2.11): the backward's stride assert fails")
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_convolution_of_a_channels_last_input_with_an_unbacked_batch(schedule):
+def _channels_last_convs_step(schedule, batches=(3, 1)):
     """ConvNeXt's pattern: a LayerNorm over channels between permutes, then a (depthwise) convolution of the
-    channels-last result. With the batch unbacked, torch's stride check took the input for contiguous (the batch
-    might be empty), the convolution's fake output disagreed with its real one and Inductor's stride assert
-    stopped the step (stock torch.compile too). Exact against the oracle for batches of 3 and 1."""
+    channels-last result; a DP step with the batch unbacked, exact against the oracle for each batch size."""
     import torch
     import torch.nn as nn
 
@@ -391,10 +385,60 @@ def test_convolution_of_a_channels_last_input_with_an_unbacked_batch(schedule):
             h = self.norm(self.patch(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # channels-last strides
             return self.head(self.dw(h).mean((2, 3)))
 
-    for B in (3, 1):
+    for B in batches:
         torch.manual_seed(B)
         x, y = torch.randn(B, 3, 8, 8), torch.randn(B, 3)
         dpcompile.mark_batch(x, y)
         backend = check_against_reference(ChannelsLastConvs(), M.mse, (x,), (y,), schedule=schedule)
         (record,) = [r for r in backend.compiled if r.dp]
         assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_convolution_of_a_channels_last_input_with_an_unbacked_batch(schedule):
+    """With the batch unbacked, torch's stride check took the channels-last input for contiguous (the batch
+    might be empty), the convolution's fake output disagreed with its real one and Inductor's stride assert
+    stopped the step (stock torch.compile too)."""
+    _channels_last_convs_step(schedule)
+
+
+def test_convolution_backward_fake_layout_follows_the_input(monkeypatch):
+    """torch 2.11's fake convolution_backward lays the input gradient out as the output gradient (its kernels:
+    as the input). That rule installed here (on a torch that has it, a no-op): the channels-last step stops at
+    Inductor's stride assert; with conv_backward_layout_as_input it is exact."""
+    import torch
+    import torch._prims_common as prims_common
+    from torch._C import DispatchKey
+
+    from dpcompile import compat
+
+    op = torch.ops.aten.convolution_backward.default
+    current = op.py_kernels[DispatchKey.Meta]
+
+    def layout(a, b):
+        formats = {prims_common.suggest_memory_format(a), prims_common.suggest_memory_format(b)}
+        return torch.channels_last if torch.channels_last in formats else torch.contiguous_format
+
+    def as_grad_output(grad_output, input, weight, *args, **kwargs):  # torch 2.11's rule
+        gi, gw, gb = current(grad_output, input, weight, *args, **kwargs)
+        return (gi if gi is None else gi.to(memory_format=layout(grad_output, weight)),
+                gw if gw is None else gw.to(memory_format=layout(input, grad_output)), gb)
+
+    libs = [torch.library.Library("aten", "IMPL")]
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # the layouts are traced anew
+    try:
+        monkeypatch.setitem(op.py_kernels, DispatchKey.Meta, as_grad_output)
+        op._dispatch_cache.clear()
+        libs[0].impl("convolution_backward", as_grad_output, "Meta")
+        with pytest.raises(AssertionError, match="stride"):
+            _channels_last_convs_step("bk", batches=(3,))
+        monkeypatch.setattr(compat, "_conv_backward_meta_lib", None)
+        compat.conv_backward_layout_as_input(force=True)
+        libs.append(compat._conv_backward_meta_lib)
+        assert op.py_kernels[DispatchKey.Meta]._dpcompile_original is as_grad_output
+        _channels_last_convs_step("bk", batches=(3,))
+    finally:
+        for lib in reversed(libs):
+            if lib is not None:
+                lib._destroy()
+        op._dispatch_cache.clear()

@@ -364,9 +364,11 @@ def size_oblivious_channels_last() -> None:
     torch's own check."""
     import torch._prims_common as prims_common
 
+    from dpcompile.batching import is_unbacked  # (batching imports this module)
+
     def wrap(original):
         def are_strides_like_channels_last_or_false(shape, strides):
-            if len(shape) not in (4, 5) or not any(_unbacked(s) for s in shape):
+            if len(shape) not in (4, 5) or not any(is_unbacked(s) for s in shape):
                 return original(shape, strides)
             return channels_last_strides(shape, strides)
         return are_strides_like_channels_last_or_false
@@ -434,13 +436,6 @@ def conv_backward_layout_as_input(*, force: bool = False) -> None:
         _conv_backward_meta_lib.impl("convolution_backward", convolution_backward, "Meta")  # and the C++ one
 
 
-def _unbacked(size) -> bool:
-    import torch
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size.node.expr))
-
-
 def channels_last_strides(shape, strides) -> bool:
     """Whether 4-d (5-d) strides are NHWC (NDHWC): channels innermost, then the spatial dims from the last, the
     batch outermost, each dim's stride at least the extent of the dims inside it; spatial dims spanning no more
@@ -448,11 +443,13 @@ def channels_last_strides(shape, strides) -> bool:
     channels-last, except that a size with an unbacked symbol is taken as nonzero."""
     from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
+    from dpcompile.batching import is_unbacked  # (batching imports this module)
+
     if len(shape) not in (4, 5) or guard_or_true(strides[1] == 0):
         return False
     extent = 0
     for d in [1, *range(len(shape) - 1, 1, -1), 0]:
-        if (guard_or_false if _unbacked(shape[d]) else guard_or_true)(shape[d] == 0):
+        if (guard_or_false if is_unbacked(shape[d]) else guard_or_true)(shape[d] == 0):
             return False
         if guard_or_true(strides[d] < extent) or (d == 0 and guard_or_true(extent == strides[1])):
             return False

@@ -390,6 +390,18 @@ def conv_backward_layout_follows_input() -> bool:
     return "_conv_memory_format(grad_output_" not in source
 
 
+def impl_overriding(lib, name: str, fn, dispatch_key: str) -> None:
+    """``lib.impl(name, fn, dispatch_key)`` over a kernel torch registered from Python itself (its Meta kernels):
+    ``Library.impl`` refuses that unless told to override, a keyword torch 2.13 defaults to True and torch 2.11
+    to False."""
+    import warnings
+
+    override = {"allow_override": True} if "allow_override" in inspect.signature(lib.impl).parameters else {}
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
+        warnings.simplefilter("ignore")
+        lib.impl(name, fn, dispatch_key, **override)
+
+
 _conv_backward_meta_lib = None  # the Library holding conv_backward_layout_as_input's Meta kernel (kept alive)
 
 
@@ -428,12 +440,17 @@ def conv_backward_layout_as_input(*, force: bool = False) -> None:
 
     convolution_backward._dpcompile_guarded = True
     convolution_backward._dpcompile_original = original
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        impl_overriding(lib, "convolution_backward", convolution_backward, "Meta")  # the C++ dispatcher's
+    except RuntimeError as err:  # the rule stays torch's: only an unbacked batch with mixed layouts meets it
+        warnings.warn(f"dpcompile could not install torch 2.13's convolution_backward layout rule: {err}",
+                      stacklevel=2)
+        lib._destroy()
+        return
+    _conv_backward_meta_lib = lib
     op.py_kernels[DispatchKey.Meta] = convolution_backward  # what the Python dispatcher (tracing) calls
     op._dispatch_cache.clear()
-    _conv_backward_meta_lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
-        warnings.simplefilter("ignore")
-        _conv_backward_meta_lib.impl("convolution_backward", convolution_backward, "Meta")  # and the C++ one
 
 
 def channels_last_strides(shape, strides) -> bool:

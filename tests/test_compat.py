@@ -429,7 +429,7 @@ def test_convolution_backward_fake_layout_follows_the_input(monkeypatch):
     try:
         monkeypatch.setitem(op.py_kernels, DispatchKey.Meta, as_grad_output)
         op._dispatch_cache.clear()
-        libs[0].impl("convolution_backward", as_grad_output, "Meta")
+        compat.impl_overriding(libs[0], "convolution_backward", as_grad_output, "Meta")
         with pytest.raises(AssertionError, match="stride"):
             _channels_last_convs_step("bk", batches=(3,))
         monkeypatch.setattr(compat, "_conv_backward_meta_lib", None)

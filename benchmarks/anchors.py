@@ -334,7 +334,8 @@ def measure(spec: dict, device) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     snapshot = memory_snapshot(spec, step, device) if spec.get("memory_snapshots") else None
     kernels = kernel_profile(spec, step, device) if spec.get("kernel_profile") else None
-    host = host_profile(spec, step, device, sync) if spec.get("host_profile") else None
+    stem = f"{spec['model']}_{spec['B']}x{spec['T']}_{spec['dtype']}_{spec['mode'].replace(':', '-')}"
+    host = host_profile(spec["host_profile"], stem, step, sync) if spec.get("host_profile") else None
     return {"status": "ok", "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": peak, "compile_and_warmup_s": warm_s, "setup_s": setup_s,
             "first_loss": first_loss, "loss": loss_value(loss), "peak_includes_warmup": graphs,
@@ -450,7 +451,7 @@ def gpu_timeline(spans: list, gaps: int = 12) -> dict:
             "gaps": [[round(us / 1e3, 3), before[:90], after[:90]] for us, before, after in found[:gaps]]}
 
 
-def host_profile(spec: dict, step, device, sync, steps: int = 5, top: int = 45) -> str:
+def host_profile(folder: str, stem: str, step, sync, steps: int = 5, top: int = 45) -> str:
     """``steps`` more steps under cProfile, the GPU synchronised after each: where the host's time goes (a
     launch-bound step's wall time is its host time), as text in DIR: the functions by their own time and by
     their cumulative time. cProfile, not torch.profiler's CPU ops (vision.py --host-profile): the time in
@@ -459,8 +460,7 @@ def host_profile(spec: dict, step, device, sync, steps: int = 5, top: int = 45) 
     import io
     import pstats
 
-    os.makedirs(spec["host_profile"], exist_ok=True)
-    stem = f"{spec['model']}_{spec['B']}x{spec['T']}_{spec['dtype']}_{spec['mode'].replace(':', '-')}"
+    os.makedirs(folder, exist_ok=True)
     sync()
     prof = cProfile.Profile()
     t = time.perf_counter()
@@ -474,7 +474,7 @@ def host_profile(spec: dict, step, device, sync, steps: int = 5, top: int = 45) 
     buf.write(f"{stem}: {steps} steps under cProfile, {1e3 * wall:.1f} ms a step (profiler overhead included)\n")
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
-    path = os.path.join(spec["host_profile"], stem + ".txt")
+    path = os.path.join(folder, stem + ".txt")
     with open(path, "w") as f:
         f.write(buf.getvalue())
     return path

@@ -57,7 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # dpcompile from this checkout, also when it is not installed
 sys.path.insert(0, HERE)
 import dpcompile  # noqa: E402
-from anchors import compile_phases, failure, kernel_profile  # noqa: E402
+from anchors import compile_phases, failure, host_profile, kernel_profile  # noqa: E402
 from vision_models import ViT, WideResNet  # noqa: E402
 
 MODES = ("nonprivate", "bk", "ghost", "opacus")
@@ -127,23 +127,6 @@ def opacus_step(model: nn.Module, batch: int, autocast):
         return loss.item()
 
     return step
-
-
-def host_profile(folder: str, stem: str, step, top: int = 40) -> None:
-    """Three more steps under torch.profiler with CPU activity: the host ops with the most self CPU time per step
-    (where a launch-bound step's host time goes), as text in DIR and printed."""
-    from torch.profiler import ProfilerActivity, profile
-
-    os.makedirs(folder, exist_ok=True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90)
-    with open(os.path.join(folder, stem + ".txt"), "w") as f:
-        f.write(table)
-    print(f"host profile {stem} (3 steps):\n" + "\n".join(table.splitlines()[:top // 2 + 4]), flush=True)
 
 
 def norm_forms(fn) -> dict | None:
@@ -217,7 +200,9 @@ def measure(shape: str, dtype: str, mode: str, args, device: torch.device) -> di
                               "dtype": dtype, "mode": "-".join([mode] + [f"{k}-{v}" for k, v in dp_options(args).items()])},
                              lambda: step(x, y), device) if args.kernel_profile else None
     if args.host_profile:
-        host_profile(args.host_profile, f"{shape}_{dtype}_{mode}", lambda: step(x, y))
+        path = host_profile(args.host_profile, f"{shape}_{dtype}_{mode}", lambda: step(x, y), torch.cuda.synchronize)
+        with open(path) as f:
+            print("".join(f.readlines()[:40]), flush=True)
     return {**row, "status": "ok", "kernel_profile": kernels, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "compile_and_warmup_s": warm_s, "first_loss": first_loss,
@@ -291,8 +276,8 @@ def main(argv=None) -> int:
                     help="CUDA: one more step of each mode under torch.profiler; every GPU kernel's count and time "
                          "as JSON in DIR")
     ap.add_argument("--host-profile", default=None, metavar="DIR",
-                    help="CUDA: three more steps of each mode under torch.profiler with CPU activity; the host ops "
-                         "with the most self CPU time, as text in DIR")
+                    help="CUDA: five more steps of each mode under cProfile (anchors.py's): the host's time by "
+                         "function, as text in DIR")
     ap.add_argument("--gram-kernel", default=None, choices=["on", "off"],
                     help="off: ghost-form norms as Gram matmuls in the graph, not dpcompile::gram_sq_norms (A/B; "
                          "default: dpcompile's, on unless DPCOMPILE_GRAM_KERNEL=0)")

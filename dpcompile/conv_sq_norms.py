@@ -60,9 +60,13 @@ def _tile_count(groups: int, cout_g: int, n: int, bm: int, bn: int) -> int:
     return groups * -(-cout_g // bm) * -(-n // bn)
 
 
-def launch_config(bm: int, bn: int, n_pos: int) -> dict:
+def launch_config(bm: int, bn: int, n_pos: int, dtype: torch.dtype) -> dict:
     """Warps and the positions per step (the dot's K) for a tile: 8 warps from 64x128; a whole 8x8 map per
-    step in a 128x128 tile (WRN-16-4's 256-channel layers, bf16: 0.11 -> 0.08 ms)."""
+    step in a 128x128 tile (WRN-16-4's 256-channel layers, bf16: 0.11 -> 0.08 ms). fp32's narrow tiles take 64
+    positions a step in two stages (WRN-16-4's 8 layer kinds, TF32, one H200: 1.33 -> 1.16 ms; the 8x8 ones
+    0.39 -> 0.27 ms; 64-row tiles stay 1.5-2x slower in every tried configuration)."""
+    if dtype == torch.float32:
+        return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_P": 64, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_P": 64 if bm * bn >= 128 * 128 and n_pos <= 64 else 32,
             "num_warps": 8 if bm * bn >= 64 * 128 else 4, "num_stages": 3}
 
@@ -164,7 +168,7 @@ def _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, 
     cout_g, cin_g = weight_shape[0] // groups, weight_shape[1]
     n_cols = cin_g * kernel[0] * kernel[1]
     n_pos = rows * e4.shape[2] * e4.shape[3]
-    cfg = {**launch_config(*tiles(cout_g, n_cols, dtype), n_pos), **(config or {})}
+    cfg = {**launch_config(*tiles(cout_g, n_cols, dtype), n_pos, dtype), **(config or {})}
     n_parts = _tile_count(groups, cout_g, n_cols, cfg["BLOCK_M"], cfg["BLOCK_N"])
     precision = ("tf32" if tf32 else "ieee") if dtype == torch.float32 else None
     args = (*e4.stride(), *x4.stride(), rows, cout_g, cin_g, e4.shape[2], e4.shape[3], x4.shape[2], x4.shape[3],

@@ -24,10 +24,10 @@ from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner
                                      save_record, stable_mesh_keys)
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
                               hf_expand_position_ids, hint_fusion_scores, hint_mix_order_split,
-                              rng_states_before_saved_objects)
+                              reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
-from dpcompile.bucketing import cpp_wrapper_patches
+from dpcompile.bucketing import cpp_wrapper_patches, second_backward_patches
 from dpcompile.config import DPConfig
 from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
 from dpcompile.embedding_bag import embedding_bags_as_embeddings
@@ -634,7 +634,8 @@ class DPBackend:
         cpp = {"cpp_wrapper": True} if self.config.cpp_wrapper else {}
         if self.config.cpp_wrapper or torch._inductor.config.cpp_wrapper:
             cpp.update(cpp_wrapper_patches(collectives=collectives))
-        return {"triton.cudagraphs": self.config.cudagraphs, **cpp}
+        return {"triton.cudagraphs": self.config.cudagraphs, **cpp,
+                **second_backward_patches(collectives=collectives, schedule=self.config.schedule)}
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
                     tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool, codegen: dict) -> Callable:
@@ -690,6 +691,7 @@ class DPBackend:
         guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
         hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
         hint_fusion_scores()  # ... and fuse its kernels as for a fixed batch of the hint's size
+        reshape_indexer_refuses_unbacked_guesses()  # ... and index its reshapes for every batch size
         cpp_wrapper_any_args()  # a sharded graph's collectives under Inductor's C++ wrapper (torch 2.13)
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second
         self.noise.rank = _noise_rank(inputs, example_inputs)

@@ -47,6 +47,11 @@ may be 0 as "not channels-last", so fake and real outputs disagreed (``size_obli
 unbacked size taken as nonzero there); torch 2.11's fake ``convolution_backward`` lays its gradients out as
 the output gradient where its kernels follow the input (``conv_backward_layout_as_input``: torch 2.13's rule).
 
+Inductor's reshape indexing of a view it cannot take by strides settles an equality of sizes with an
+unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s head split asserted that the
+batch is 1 (``reshape_indexer_refuses_unbacked_guesses``: such an equality makes the indexer take its
+flattened fallback, exact for every size).
+
 ``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
 (``size_oblivious_norm_batch_check``: asked with ``guard_or_false``).
 
@@ -212,6 +217,60 @@ def hint_fusion_scores(*, force: bool = False) -> None:
         return get_dep_size_hint
 
     _wrap_once(GraphLowering, "get_dep_size_hint", wrap)
+
+
+def reshape_indexer_refuses_unbacked_guesses() -> None:
+    """Inductor's reshape indexing (``View._dynamic_reshape_indexer``) of a view it cannot take by strides
+    pairs the old and new dims from the right and ends each pair with ``check_equals``, which for sizes with
+    an unbacked symbol adds a runtime assert instead of deciding. ``nn.MultiheadAttention``'s head split
+    ``[T, u0, E] -> [T, u0 * heads, E / heads]`` pairs ``E / heads * (u0 * heads)`` with ``E`` and asserted
+    ``u0 == 1``: the step failed at its first call with any other batch ("Guard failed on the same frame",
+    stock ``torch.compile`` with ``mark_unbacked`` too; torch 2.13). Here such an undecidable equality raises
+    ``GuardOnDataDependentSymNode``, which the indexer's callers already take as "not this way": the reshape
+    goes through the flattened index (or a contiguous copy), exact for every size. A decidable one is checked
+    as before."""
+    try:
+        from torch._inductor.ir import View
+        from torch._inductor.virtualized import V
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
+    except ImportError:
+        return
+
+    original = inspect.getattr_static(View, "_dynamic_reshape_indexer", None)
+    if not isinstance(original, staticmethod) or getattr(original.__func__, "_dpcompile_guarded", False):
+        return
+    try:  # torch 2.11 makes a view of unbacked sizes contiguous first, and its fallback takes no such error
+        if "GuardOnDataDependentSymNode" not in inspect.getsource(View.dynamic_reshape_indexer):
+            return
+    except (AttributeError, OSError, TypeError):
+        return
+    original = original.__func__
+
+    def _dynamic_reshape_indexer(*args, **kwargs):
+        import sympy
+
+        sizevars = V.graph.sizevars
+        own = "check_equals" in vars(sizevars)  # an outer call's (nested lowering)
+        check_equals = sizevars.check_equals
+
+        def checked(left, right):
+            if not sizevars.statically_known_equals(left, right) and (
+                    free_unbacked_symbols(left) or free_unbacked_symbols(right)):
+                raise GuardOnDataDependentSymNode(sympy.Eq(left, right))
+            return check_equals(left, right)
+
+        sizevars.check_equals = checked  # an instance attribute: this call's only
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if own:
+                sizevars.check_equals = check_equals
+            else:
+                del sizevars.check_equals  # the class's method again
+
+    _dynamic_reshape_indexer._dpcompile_guarded = True
+    _dynamic_reshape_indexer._dpcompile_original = original
+    View._dynamic_reshape_indexer = staticmethod(_dynamic_reshape_indexer)
 
 
 def cpp_wrapper_any_args() -> None:

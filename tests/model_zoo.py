@@ -173,6 +173,34 @@ def whisper():
     return Logits(transformers.WhisperForAudioClassification(cfg))
 
 
+class TorchEncoder(torch.nn.Module):
+    """torch.nn's own TransformerEncoder (its layers a ModuleList, as users shard them), mean-pooled."""
+
+    def __init__(self, norm_first: bool):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 24, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids)).mean(1))
+
+
+class TorchTransformer(torch.nn.Module):
+    """torch.nn.Transformer, encoder-decoder with a causal target mask, next-token logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.model = torch.nn.Transformer(16, 2, 1, 1, 24, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, source, target):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(target.shape[1], dtype=self.head.weight.dtype)
+        return self.head(self.model(self.embed(source), self.embed(target), tgt_mask=mask, tgt_is_causal=True))
+
+
 BLOCK = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24)
 NO_DROP = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 def wav2vec2():
@@ -333,6 +361,9 @@ MODELS = {
     # RWKV's time mixing (a recurrence over the tokens; its init needs two layers)
     "rwkv": hf("RwkvConfig", "RwkvForCausalLM", "lm", hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
                intermediate_size=24, context_length=16),
+    "torch_encoder": (lambda: TorchEncoder(False), lambda: ((tokens(),), (labels(),)), class_ce),
+    "torch_encoder_pre_norm": (lambda: TorchEncoder(True), lambda: ((tokens(),), (labels(),)), class_ce),
+    "torch_transformer": (TorchTransformer, lambda: ((tokens(), tokens()), (tokens(),)), token_ce),
     "bert_padded": padded("BertConfig", "BertForSequenceClassification", max_position_embeddings=16, **BLOCK,
                           **NO_DROP),
     "llama_padded": padded("LlamaConfig", "LlamaForSequenceClassification", **BLOCK, num_key_value_heads=1,

@@ -1,4 +1,6 @@
 """The fixes dpcompile adds to older torch releases."""
+import inspect
+
 import pytest
 
 import dpcompile
@@ -400,6 +402,53 @@ def test_convolution_of_a_channels_last_input_with_an_unbacked_batch(schedule):
     might be empty), the convolution's fake output disagreed with its real one and Inductor's stride assert
     stopped the step (stock torch.compile too)."""
     _channels_last_convs_step(schedule)
+
+
+def _attention_step(schedule, batches=(3, 1)):
+    """torch.nn.MultiheadAttention (batch_first: it works on [T, B, E] inside, heads split by a view to
+    [T, B * heads, E / heads]) in a DP step with the batch unbacked, exact against the oracle for each batch."""
+    import torch
+    import torch.nn as nn
+
+    import models as M
+    from helpers import check_against_reference
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    for B in batches:
+        torch.manual_seed(B)
+        x, y = torch.randn(B, 5, 8), torch.randn(B, 3)
+        dpcompile.mark_batch(x, y)
+        backend = check_against_reference(Attention(), M.mse, (x,), (y,), schedule=schedule)
+        (record,) = [r for r in backend.compiled if r.dp]
+        assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch):
+    """Inductor's reshape indexing of MultiheadAttention's head split asserted that the unbacked batch is 1
+    (torch 2.13, stock torch.compile too): the step failed at its first call. With
+    reshape_indexer_refuses_unbacked_guesses the view is indexed for every batch size and the step is exact.
+    Where the fix applies (torch 2.13), the step without it fails."""
+    import torch
+    from torch._inductor.ir import View
+
+    from dpcompile import backend
+
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # the views are lowered anew
+    _attention_step(schedule)
+    fixed = inspect.getattr_static(View, "_dynamic_reshape_indexer").__func__
+    if getattr(fixed, "_dpcompile_guarded", False):
+        monkeypatch.setattr(View, "_dynamic_reshape_indexer", staticmethod(fixed._dpcompile_original))
+        monkeypatch.setattr(backend, "reshape_indexer_refuses_unbacked_guesses", lambda: None)  # not reinstalled
+        with pytest.raises(AssertionError, match="Guard failed"):
+            _attention_step(schedule, batches=(3,))
 
 
 def test_convolution_backward_fake_layout_follows_the_input(monkeypatch):

@@ -122,8 +122,14 @@ def guard_empty_y_grid() -> None:
 def _wrap_once(owner, name: str, wrap) -> None:
     """owner.name replaced by wrap(original), once: nothing where owner or its attribute is missing, where it is
     dpcompile's wrapper already, or where wrap returns None (this version does not need it). The wrapper is
-    marked (``_dpcompile_guarded``) and keeps the original (``_dpcompile_original``)."""
-    original = getattr(owner, name, None) if owner is not None else None
+    marked (``_dpcompile_guarded``) and keeps the original (``_dpcompile_original``); a staticmethod's wrapper
+    is stored as a staticmethod (wrap sees the plain function)."""
+    original = inspect.getattr_static(owner, name, None) if owner is not None else None
+    static = isinstance(original, staticmethod)
+    if static:
+        original = original.__func__
+    elif original is not None:
+        original = getattr(owner, name)  # bound and class methods as the attribute gives them
     if original is None or getattr(original, "_dpcompile_guarded", False):
         return
     new = wrap(original)
@@ -131,7 +137,7 @@ def _wrap_once(owner, name: str, wrap) -> None:
         return
     new._dpcompile_guarded = True
     new._dpcompile_original = original
-    setattr(owner, name, new)
+    setattr(owner, name, staticmethod(new) if static else new)
 
 
 @contextlib.contextmanager
@@ -236,41 +242,37 @@ def reshape_indexer_refuses_unbacked_guesses() -> None:
     except ImportError:
         return
 
-    original = inspect.getattr_static(View, "_dynamic_reshape_indexer", None)
-    if not isinstance(original, staticmethod) or getattr(original.__func__, "_dpcompile_guarded", False):
-        return
-    try:  # torch 2.11 makes a view of unbacked sizes contiguous first, and its fallback takes no such error
-        if "GuardOnDataDependentSymNode" not in inspect.getsource(View.dynamic_reshape_indexer):
-            return
-    except (AttributeError, OSError, TypeError):
-        return
-    original = original.__func__
+    def wrap(original):
+        try:  # torch 2.11 makes a view of unbacked sizes contiguous first, and its fallback takes no such error
+            if "GuardOnDataDependentSymNode" not in inspect.getsource(View.dynamic_reshape_indexer):
+                return None
+        except (AttributeError, OSError, TypeError):
+            return None
 
-    def _dynamic_reshape_indexer(*args, **kwargs):
-        import sympy
+        def _dynamic_reshape_indexer(*args, **kwargs):
+            import sympy
 
-        sizevars = V.graph.sizevars
-        own = "check_equals" in vars(sizevars)  # an outer call's (nested lowering)
-        check_equals = sizevars.check_equals
+            sizevars = V.graph.sizevars
+            own = "check_equals" in vars(sizevars)  # an outer call's (nested lowering)
+            check_equals = sizevars.check_equals
 
-        def checked(left, right):
-            if not sizevars.statically_known_equals(left, right) and (
-                    free_unbacked_symbols(left) or free_unbacked_symbols(right)):
-                raise GuardOnDataDependentSymNode(sympy.Eq(left, right))
-            return check_equals(left, right)
+            def checked(left, right):
+                if not sizevars.statically_known_equals(left, right) and (
+                        free_unbacked_symbols(left) or free_unbacked_symbols(right)):
+                    raise GuardOnDataDependentSymNode(sympy.Eq(left, right))
+                return check_equals(left, right)
 
-        sizevars.check_equals = checked  # an instance attribute: this call's only
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if own:
-                sizevars.check_equals = check_equals
-            else:
-                del sizevars.check_equals  # the class's method again
+            sizevars.check_equals = checked  # an instance attribute: this call's only
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if own:
+                    sizevars.check_equals = check_equals
+                else:
+                    del sizevars.check_equals  # the class's method again
+        return _dynamic_reshape_indexer
 
-    _dynamic_reshape_indexer._dpcompile_guarded = True
-    _dynamic_reshape_indexer._dpcompile_original = original
-    View._dynamic_reshape_indexer = staticmethod(_dynamic_reshape_indexer)
+    _wrap_once(View, "_dynamic_reshape_indexer", wrap)
 
 
 def cpp_wrapper_any_args() -> None:

@@ -113,10 +113,16 @@ def _stream(device: int) -> int:
 
 
 def _hooks():
-    """Triton's launch hooks (set by its profiler, proton): passed on as its launcher does."""
+    """Triton's launch hooks (set by its profiler, proton), passed on as its launcher does; None for a hook chain
+    with nothing in it (Triton's knobs hold a chain object, never None, so its own launcher builds each launch's
+    metadata and calls the empty chains: host time for nothing)."""
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+
+
+def _hook(hook):
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
 # -- compiles ahead of the first launch ---------------------------------------------------------------------------

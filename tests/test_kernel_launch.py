@@ -88,6 +88,18 @@ def test_hooks_get_the_launch_metadata(fresh, monkeypatch):
     assert compiled.runs[0][6:9] == (("launch-metadata", (2,)), "enter", None)
 
 
+def test_empty_hook_chains_are_passed_as_none(monkeypatch):
+    """Triton's knobs hold hook chains, never None: an empty one is passed as None (no launch metadata built, no
+    empty chain called per launch); one its profiler added to is passed on."""
+    knobs = pytest.importorskip("triton.knobs")
+    enter, leave = knobs.HookChain(), knobs.HookChain(reversed=True)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", enter)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", leave)
+    assert kernel_plans._hooks() == (None, None)
+    enter.add(print)
+    assert kernel_plans._hooks() == (enter, None)
+
+
 def test_tensors_off_the_current_device_take_the_plain_call(fresh, monkeypatch):
     """Triton loads a compiled kernel for the current device: tensors on another one are never launched directly."""
     monkeypatch.setattr(kernel_plans, "_device", lambda: 0)

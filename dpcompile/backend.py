@@ -27,7 +27,7 @@ from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, 
                               reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
-from dpcompile.bucketing import cpp_wrapper_patches, second_backward_patches
+from dpcompile.bucketing import cpp_wrapper_patches
 from dpcompile.config import DPConfig
 from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
 from dpcompile.embedding_bag import embedding_bags_as_embeddings
@@ -634,8 +634,7 @@ class DPBackend:
         cpp = {"cpp_wrapper": True} if self.config.cpp_wrapper else {}
         if self.config.cpp_wrapper or torch._inductor.config.cpp_wrapper:
             cpp.update(cpp_wrapper_patches(collectives=collectives))
-        return {"triton.cudagraphs": self.config.cudagraphs, **cpp,
-                **second_backward_patches(collectives=collectives, schedule=self.config.schedule)}
+        return {"triton.cudagraphs": self.config.cudagraphs, **cpp}
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
                     tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool, codegen: dict) -> Callable:

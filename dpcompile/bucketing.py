@@ -128,28 +128,6 @@ def cpp_wrapper_patches(*, collectives: bool) -> dict:
     return dict(_OFF)
 
 
-def second_backward_patches(*, collectives: bool, schedule: str) -> dict:
-    """Inductor settings for a step whose schedule has a second backward (``ghost``, ``auto``) and in-graph
-    collectives: its reduce-scatters compile unbucketed.
-
-    Found by the model zoo (``torch_transformer``: ``torch.nn.Transformer``, every layer sharded, ghost, CPU
-    Inductor, torch 2.13, float64 and float32, any split of the batch over 2 ranks): with Inductor's
-    reduce-scatter bucketing on, the clipped gradients of the five summed parameters nearest the loss (the
-    decoder's last LayerNorms and the head's bias) came out wrong (relative error 0.5-1.7), with it off exact;
-    all-gather bucketing alone is exact, bk is exact, and the graph Inductor was given is exact run op by op.
-    The bucketed graph is the same computation, so the fault is in what Inductor generates for it; until it is
-    found, a second-backward step does not get its reduce-scatters bucketed, whoever asked for the bucketing
-    (logged). Its all-gathers keep theirs."""
-    from torch._inductor import config
-
-    if not collectives or schedule == "bk" or config.bucket_reduce_scatters_fx == "none":
-        return {}
-    logging.getLogger("dpcompile").info(
-        "schedule=%r with collectives: this step's reduce-scatters are compiled unbucketed (Inductor's bucketed "
-        "reduce-scatters gave wrong gradients after a second backward; bk steps keep the bucketing)", schedule)
-    return {"bucket_reduce_scatters_fx": "none"}
-
-
 def _bucketed(config) -> bool:
     """Inductor buckets some kind of collective."""
     return any(getattr(config, f"bucket_{kind}_fx") != "none" for kind in _KINDS)

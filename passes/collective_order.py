@@ -7,7 +7,12 @@ canonical order fixed by the parameters alone, whatever schedule produced
 them: the reverse of the gradient outputs (last parameter first), which is
 the order a backward produces gradients in (the ghost second backward, and
 the bk deferred contractions, which clip_schedule emits in that order). A
-later collective waits for an earlier one rather than overtaking it.
+later collective waits for an earlier one rather than overtaking it, and its
+``wait_tensor`` follows the earlier one's: Inductor's bucketing
+(``bucket_reduce_scatters_fx``) fills a bucket in the order of the waits, so
+waits placed by rank-dependent code (an uneven shard's padding) bucketed the
+same gradients at different offsets on different ranks, and the bucket's
+reduce-scatter summed one parameter's gradient with another's.
 """
 from __future__ import annotations
 
@@ -66,9 +71,24 @@ def gradient_collectives(gm: fx.GraphModule, ctx: DPPassContext) -> list[fx.Node
     return order
 
 
+def waits_in_order(order: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Ordering edges (node -> nodes before it) that keep the collectives' waits in the collectives' order."""
+    after: dict[fx.Node, list[fx.Node]] = {}
+    previous: list[fx.Node] = []
+    for c in order:
+        waits = [u for u in c.users if u.target is _C10D.wait_tensor.default]
+        for w in waits:
+            after.setdefault(w, []).extend(previous)
+        previous = waits or previous
+    return after
+
+
 def collective_order_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
-    """Reorders gradient collectives to the order of the parameters' outputs."""
+    """Reorders gradient collectives, and their waits, to the order of the parameters' outputs."""
     order = gradient_collectives(gm, ctx)
-    stable_topological_sort(gm.graph, after={c: [prev] for prev, c in zip(order, order[1:])})
+    after = waits_in_order(order)
+    for prev, c in zip(order, order[1:]):
+        after.setdefault(c, []).append(prev)
+    stable_topological_sort(gm.graph, after=after)
     ctx.counters["collectives_ordered"] += len(order)
     return gm

@@ -42,6 +42,28 @@ def make(case):
     raise ValueError(case)
 
 
+_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+def waits_out_of_order(record) -> list[str]:
+    """The collective kinds whose waits, in a compiled graph of ``record``, are not in the order the collectives
+    are issued in. Inductor's bucketing fills a bucket in the order of the waits: waits placed by rank-dependent
+    code bucket a gradient at different offsets on different ranks (a wrong gradient, 34th session)."""
+    import re
+
+    bad = []
+    for stage in ("forward", "backward"):
+        text = record.graphs.get(stage, "")
+        for kind in _COLLECTIVES:
+            issued = re.findall(rf"^\s*(\w+)(?::[^=\n]*)? = torch\.ops\._c10d_functional\.{kind}\.default\(", text,
+                                re.M)
+            names = set(issued)
+            waited = [w for w in re.findall(r"wait_tensor\.default\((\w+)\)", text) if w in names]
+            if waited != issued:
+                bad.append(f"{stage} {kind}")
+    return bad
+
+
 def shard(model, mesh, reshard_after_forward=True):
     blocks = getattr(model, "blocks", None) or [model.block]
     for b in blocks:
@@ -115,6 +137,7 @@ def _correct(mesh, rank, world, case, schedule, sizes, reshard_after_forward=Tru
     return {"counts": counts, "n_params": sum(1 for p in model.parameters() if p.requires_grad),
             "n_linear": sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear)), "counters": rec.counters,
             "summary_collectives": rec.summary["collectives"], "issued": issued,
+            "waits_out_of_order": waits_out_of_order(rec),
             "bucketing": [inductor_config.bucket_reduce_scatters_fx, inductor_config.reorder_for_compute_comm_overlap,
                           inductor_config.bucket_reduce_scatters_fx_bucket_size_determinator(0)
                           if inductor_config.bucket_reduce_scatters_fx != "none" else None],
@@ -300,7 +323,8 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
             "padded": graphs[0].counters.get("contractions_padded", 0), "compiler": backend.config.compiler,
             "recomputed": graphs[0].counters.get("second_backward_recomputed_contractions", 0),
             "counters": graphs[0].counters, "frozen": graphs[0].summary["frozen"], "clipped": clipped,
-            "unclipped": unclipped, "worst": worst, "seconds": time.time() - start}
+            "unclipped": unclipped, "worst": worst, "seconds": time.time() - start,
+            "waits_out_of_order": waits_out_of_order(graphs[0])}
 
 
 def noise(rank, world, init_file, out_dir, seed):

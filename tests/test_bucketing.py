@@ -88,19 +88,3 @@ def test_cpp_wrapper_compiles_collectives_unbucketed_or_refuses(monkeypatch, cap
     with config.patch({**_UNSET, "bucket_reduce_scatters_fx": "fsdp"}):  # set by hand: the user's choice
         with pytest.raises(DPCompileError, match="cpp_wrapper=True with bucketed collectives"):
             bucketing.cpp_wrapper_patches(collectives=True)
-
-
-@pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
-def test_a_second_backward_compiles_its_reduce_scatters_unbucketed(schedule, caplog):
-    """A ghost or auto step with collectives gets Inductor's reduce-scatter bucketing off (its bucketed
-    reduce-scatters gave wrong gradients: torch.nn.Transformer sharded, tests/model_zoo.py), whoever turned the
-    bucketing on; a bk step, a step without collectives, or no bucketing: nothing changes."""
-    from dpcompile import bucketing
-
-    with config.patch(_UNSET), caplog.at_level("INFO", logger="dpcompile"):
-        assert bucketing.second_backward_patches(collectives=True, schedule=schedule) == {}  # nothing bucketed
-        with config.patch(bucket_reduce_scatters_fx="all"):
-            expected = {} if schedule == "bk" else {"bucket_reduce_scatters_fx": "none"}
-            assert bucketing.second_backward_patches(collectives=True, schedule=schedule) == expected
-            assert bucketing.second_backward_patches(collectives=False, schedule=schedule) == {}
-    assert ("compiled unbucketed" in caplog.text) == (schedule != "bk")

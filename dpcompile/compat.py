@@ -236,6 +236,7 @@ def reshape_indexer_refuses_unbacked_guesses() -> None:
     goes through the flattened index (or a contiguous copy), exact for every size. A decidable one is checked
     as before."""
     try:
+        import sympy
         from torch._inductor.ir import View
         from torch._inductor.virtualized import V
         from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
@@ -250,15 +251,13 @@ def reshape_indexer_refuses_unbacked_guesses() -> None:
             return None
 
         def _dynamic_reshape_indexer(*args, **kwargs):
-            import sympy
-
             sizevars = V.graph.sizevars
             own = "check_equals" in vars(sizevars)  # an outer call's (nested lowering)
             check_equals = sizevars.check_equals
 
             def checked(left, right):
-                if not sizevars.statically_known_equals(left, right) and (
-                        free_unbacked_symbols(left) or free_unbacked_symbols(right)):
+                if (free_unbacked_symbols(left) or free_unbacked_symbols(right)) and \
+                        not sizevars.statically_known_equals(left, right):  # the cheap test first
                     raise GuardOnDataDependentSymNode(sympy.Eq(left, right))
                 return check_equals(left, right)
 

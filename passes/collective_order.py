@@ -71,9 +71,10 @@ def gradient_collectives(gm: fx.GraphModule, ctx: DPPassContext) -> list[fx.Node
     return order
 
 
-def waits_in_order(order: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
-    """Ordering edges (node -> nodes before it) that keep the collectives' waits in the collectives' order."""
-    after: dict[fx.Node, list[fx.Node]] = {}
+def issue_order_edges(order: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Ordering edges (node -> nodes before it) for the stable topological sort: each collective after the one
+    before it in ``order``, and each collective's waits after the waits of the last one before it that has any."""
+    after: dict[fx.Node, list[fx.Node]] = {c: [prev] for prev, c in zip(order, order[1:])}
     previous: list[fx.Node] = []
     for c in order:
         waits = [u for u in c.users if u.target is _C10D.wait_tensor.default]
@@ -86,9 +87,7 @@ def waits_in_order(order: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
 def collective_order_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Reorders gradient collectives, and their waits, to the order of the parameters' outputs."""
     order = gradient_collectives(gm, ctx)
-    after = waits_in_order(order)
-    for prev, c in zip(order, order[1:]):
-        after.setdefault(c, []).append(prev)
+    after = issue_order_edges(order)
     stable_topological_sort(gm.graph, after=after)
     ctx.counters["collectives_ordered"] += len(order)
     return gm

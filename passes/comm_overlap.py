@@ -9,8 +9,9 @@ deferred weight-gradient GEMM of gradient k+1 (which precedes its collective)
 runs while collective k is in flight. At most two reductions are in flight,
 so at most two unreduced gradients are alive beyond what the schedule already
 holds. The canonical collective order is kept (every rank issues the same
-sequence, and waits in it: collective_order); a wait that the next collective reads (hybrid sharding's
-reduce-scatter -> all-reduce chain) stays where it is.
+sequence and waits in it: collective_order.issue_order_edges); a wait that
+the next collective reads (hybrid sharding's reduce-scatter -> all-reduce
+chain) stays where it is.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .cleanup import stable_topological_sort
-from .collective_order import gradient_collectives, waits_in_order
+from .collective_order import gradient_collectives, issue_order_edges
 from .context import DPPassContext
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -40,9 +41,7 @@ def _depends_on(node: fx.Node, target: fx.Node, pos: dict[fx.Node, int]) -> bool
 
 def comm_overlap_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     order = gradient_collectives(gm, ctx)
-    after: dict[fx.Node, list[fx.Node]] = waits_in_order(order)  # deferred, the waits keep their order
-    for prev, c in zip(order, order[1:]):
-        after.setdefault(c, []).append(prev)
+    after = issue_order_edges(order)  # deferred, the waits keep their order
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for c, nxt in zip(order, order[1:]):
         waits = [u for u in c.users if u.target is _WAIT]

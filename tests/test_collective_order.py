@@ -1,4 +1,4 @@
-"""collective_order.waits_in_order: every rank's graph waits for its gradient collectives in the order it issues
+"""collective_order.issue_order_edges: every rank's graph waits for its gradient collectives in the order it issues
 them. Inductor's bucketing fills a bucket in the order of the waits, so a wait that rank-dependent code placed
 later on one rank (an uneven shard's padding) put a gradient at another offset of the bucket there, and the
 bucket's reduce-scatter summed two parameters' gradients (torch.nn.Transformer sharded, ghost, 34th session)."""
@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.passes.cleanup import stable_topological_sort
-from dpcompile.passes.collective_order import waits_in_order
+from dpcompile.passes.collective_order import issue_order_edges
 
 _C10D = torch.ops._c10d_functional
 
@@ -29,15 +29,15 @@ def _waited(g):
 def test_waits_follow_the_order_of_issue():
     g, order = _graph("cab")
     assert _waited(g) == ["c", "a", "b"]  # as rank-dependent code left them
-    stable_topological_sort(g, after=waits_in_order(order))
+    stable_topological_sort(g, after=issue_order_edges(order))
     g.lint()
     assert _waited(g) == ["a", "b", "c"]
 
 
-def test_waits_in_order_already_stay_where_they_are():
+def test_issue_order_edges_already_stay_where_they_are():
     g, order = _graph("abc")
     before = [n.name for n in g.nodes]
-    stable_topological_sort(g, after=waits_in_order(order))
+    stable_topological_sort(g, after=issue_order_edges(order))
     assert [n.name for n in g.nodes] == before
 
 
@@ -46,6 +46,6 @@ def test_a_collective_without_a_wait_is_skipped_and_the_next_waits_after_the_las
     (wait_b,) = b.users
     wait_b.replace_all_uses_with(b)
     g.erase_node(wait_b)
-    after = waits_in_order([a, b, c])
+    after = issue_order_edges([a, b, c])
     (wait_a,), (wait_c,) = a.users, c.users
-    assert after == {wait_a: [], wait_c: [wait_a]}
+    assert after == {b: [a], c: [b], wait_a: [], wait_c: [wait_a]}

@@ -33,6 +33,7 @@ from .state_updates import state_updates_pass
 from .tensor_parallel import tensor_parallel_check_pass
 from .unit_batch_matmuls import unit_batch_matmuls_pass
 from .view_chains import view_chains_pass
+from .wait_order import wait_order_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("fsdp_reshard", fsdp_reshard_pass, optional=True),
     Pass("collective_order", collective_order_pass),
     Pass("comm_overlap", comm_overlap_pass, optional=True),
+    # every collective kind's waits in the order of issue: Inductor buckets by wait order (a wrong gradient)
+    Pass("wait_order", wait_order_pass),
     # last: reads of a mutated input saved, whatever the passes above placed where (pytorch/pytorch#197039)
     Pass("mutated_input_reads", mutated_input_reads_pass),
 )
@@ -77,6 +80,8 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     # end read straight from a forward value makes the min-cut keep that value instead of recomputing it
     Pass("view_chains", view_chains_pass, optional=True, inductor_only=True),
     Pass("inplace_row_masks", inplace_row_masks_pass, optional=True),
+    # again after the partition and the passes above, which place nodes of their own
+    Pass("backward_wait_order", wait_order_pass),
 )
 
 

@@ -16,6 +16,8 @@ reduce-scatter summed one parameter's gradient with another's.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -71,13 +73,24 @@ def gradient_collectives(gm: fx.GraphModule, ctx: DPPassContext) -> list[fx.Node
     return order
 
 
+def waits_of(c: fx.Node) -> list[fx.Node]:
+    """The ``wait_tensor`` nodes of collective ``c``: its users, or a coalesced collective's items' users."""
+    waits = []
+    for u in c.users:
+        if u.target is _C10D.wait_tensor.default:
+            waits.append(u)
+        elif u.target is operator.getitem:
+            waits.extend(w for w in u.users if w.target is _C10D.wait_tensor.default)
+    return waits
+
+
 def issue_order_edges(order: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
     """Ordering edges (node -> nodes before it) for the stable topological sort: each collective after the one
     before it in ``order``, and each collective's waits after the waits of the last one before it that has any."""
     after: dict[fx.Node, list[fx.Node]] = {c: [prev] for prev, c in zip(order, order[1:])}
     previous: list[fx.Node] = []
     for c in order:
-        waits = [u for u in c.users if u.target is _C10D.wait_tensor.default]
+        waits = waits_of(c)
         for w in waits:
             after.setdefault(w, []).extend(previous)
         previous = waits or previous

@@ -5,6 +5,7 @@
     python benchmarks/vision.py --models wrn16-4 --cudagraphs  # CUDA graphs on both sides (launch-bound steps)
     python benchmarks/vision.py --models wrn16-4 --conv-norm direct --kernel-profile kp   # a forced norm form; kernels
     python benchmarks/vision.py --models vit-s16 --gram-kernel off   # ghost-form norms as Gram matmuls (A/B)
+    python benchmarks/vision.py --models wrn16-4 --input-gram off    # auto without the input_gram form (A/B)
     python benchmarks/vision.py --tiny                         # CPU smoke run: narrow models, few steps, eager
     python benchmarks/vision.py --tiny --compiler inductor     # ... with Inductor's code generation (slow on CPU)
 
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: narrow models, batch 8, few steps")
     ap.add_argument("--compiler", choices=["inductor", "eager"], default=None,
                     help="code generation of the compiled modes (default inductor; --tiny: eager)")
-    ap.add_argument("--conv-norm", default=None, choices=["auto", "ghost", "direct"],
+    ap.add_argument("--conv-norm", default=None, choices=["auto", "ghost", "direct", "input_gram"],
                     help="dpcompile's conv_norm option for bk and ghost (default: its default, auto)")
     ap.add_argument("--linear-norm", default=None, choices=["auto", "ghost", "direct"],
                     help="dpcompile's linear_norm option for bk and ghost (default: its default, auto)")
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gram-kernel", default=None, choices=["on", "off"],
                     help="off: ghost-form norms as Gram matmuls in the graph, not dpcompile::gram_sq_norms (A/B; "
                          "default: dpcompile's, on unless DPCOMPILE_GRAM_KERNEL=0)")
+    ap.add_argument("--input-gram", default=None, choices=["on", "off"],
+                    help="off: conv_norm='auto' picks between ghost and direct alone, not input_gram (A/B; default: "
+                         "dpcompile's, on unless DPCOMPILE_INPUT_GRAM=0)")
     ap.add_argument("--disable-passes", default=None, metavar="NAMES",
                     help="comma-separated optional dpcompile passes to skip in bk and ghost (an A/B of one pass)")
     ap.add_argument("--out", default=None, help="JSON of every row, rewritten after each mode")
@@ -295,6 +299,10 @@ def main(argv=None) -> int:
     from dpcompile.passes import per_sample_norms
     if args.gram_kernel is not None:
         per_sample_norms.GRAM_KERNEL = args.gram_kernel == "on"
+    if args.input_gram is not None:
+        from dpcompile.passes import conv_norms
+
+        conv_norms.INPUT_GRAM = args.input_gram == "on"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 = TF32 tensor-core matmuls and convolutions
     torch.backends.cudnn.allow_tf32 = True

@@ -8,6 +8,7 @@ from typing import Any
 
 SCHEDULES = ("bk", "ghost", "auto")
 LINEAR_NORM_ALGORITHMS = ("auto", "ghost", "direct")
+CONV_NORM_ALGORITHMS = LINEAR_NORM_ALGORITHMS + ("input_gram",)
 COMPILERS = ("inductor", "eager")
 
 
@@ -39,8 +40,10 @@ class DPConfig:
         rows per sample: "auto" picks ghost or direct per layer by cost.
     conv_norm: per-sample norm algorithm for convolution weights: "ghost"
         (Gram matrices over a sample's positions, ~S^2 (channels) per
-        sample), "direct" (the per-sample gradient, ~S |weight|) or "auto"
-        (the cheaper one per layer; the dump summary says which and why).
+        sample), "direct" (the per-sample gradient, ~S |weight|),
+        "input_gram" (the ghost norm from the Gram of the padded input over its
+        own positions, its kernel windows summed: no unfold) or "auto" (the
+        cheapest per layer; the dump summary says which and why).
     compiler: "inductor" (generated kernels) or "eager": the same forward and
         backward graphs (Inductor's decompositions and joint-graph passes,
         dpcompile's passes, the partitioner) run op by op, without Inductor's
@@ -99,8 +102,8 @@ class DPConfig:
             bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.linear_norm not in LINEAR_NORM_ALGORITHMS:
             bad(f"linear_norm must be one of {LINEAR_NORM_ALGORITHMS}, got {self.linear_norm!r}")
-        if self.conv_norm not in LINEAR_NORM_ALGORITHMS:
-            bad(f"conv_norm must be one of {LINEAR_NORM_ALGORITHMS}, got {self.conv_norm!r}")
+        if self.conv_norm not in CONV_NORM_ALGORITHMS:
+            bad(f"conv_norm must be one of {CONV_NORM_ALGORITHMS}, got {self.conv_norm!r}")
         if self.compiler not in COMPILERS:
             bad(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if not isinstance(self.cudagraphs, bool):

@@ -18,6 +18,12 @@ and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's |
   folded into the groups.)
 - ghost: sum over groups of <E E^T, D D^T> over the sample's positions: [B, S, S] Gram matrices, cost
   ~ S^2 (channels of E + channels of D). Cheaper when positions are few and channels many.
+- input_gram: the same inner product without unfold(D). unfold(D) unfold(D)^T at positions (p, q) is the
+  sum over kernel offsets o of X X^T at (p*stride + o*dilation, q*stride + o*dilation), X = the padded D over
+  its own positions: one [B, Sp, Sp] Gram of D's channels (not of its channels times the kernel), whose K
+  strided windows add up to the [B, S, S] one. Cost ~ Sp^2 * channels of D + S^2 * channels of E, and no
+  unfold written: the cheapest form where positions are few and a 3x3 kernel would multiply D's channels by 9
+  (a CIFAR WRN's 8x8 layers, a ResNet's last stage).
 
 The unfold is exact (one gather from the padded operand, or a reshape for non-overlapping patches): no
 arithmetic, so no TF32 rounding of a convolution with an identity kernel. Both forms unfold D; when unfold(D)
@@ -28,8 +34,10 @@ of D's channels (block_operands).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
+import os
 from typing import Any
 
 import torch
@@ -87,6 +95,11 @@ def geometry(c: Contribution) -> ConvGeometry:
 MACS_PER_BYTE = 64
 
 
+# input_gram among auto's choices; off (DPCOMPILE_INPUT_GRAM=0 in the environment): auto picks between ghost and
+# direct alone, as before the form existed (benchmarks compare the two; conv_norm="input_gram" still forces it)
+INPUT_GRAM = os.environ.get("DPCOMPILE_INPUT_GRAM", "1") != "0"
+
+
 # The kernel's time over cuDNN's weight gradient of the same layer (the same multiply-adds), summed over a
 # WRN-16-4's layers at batch 256 (each distinct shape as often as the network has it), channels-last, one H100
 # (benchmarks/conv_norm_kernel.py, 2026-11-26): bf16 0.99 vs 0.77 ms (1.3x), fp32 (TF32) 3.08 vs 1.83 ms. Per
@@ -96,6 +109,55 @@ MACS_PER_BYTE = 64
 # taken it from the ghost form (a reshape and two Gram matrices). The other contractions run at library speed.
 FUSED_SLOWDOWN = {torch.float32: 1.7}
 FUSED_SLOWDOWN_HALF = 1.5
+
+
+def input_gram_extent(geo: ConvGeometry, d: fx.Node | None = None) -> list | None:
+    """Per spatial dim, the extent of the padded D that E's windows reach (stride * (L - 1) + dilation *
+    (kernel - 1) + 1, L = E's positions), or None when unfold(D) would not line up with E's positions (a
+    transposed convolution whose output_padding reaches past its stride)."""
+    S_d = list((geo.d if d is None else d).meta["val"].shape[2:])
+    L = list(geo.e.meta["val"].shape[2:])
+    ext = []
+    for i in range(len(L)):
+        span = geo.dilation[i] * (geo.kernel[i] - 1) + 1
+        if (S_d[i] + 2 * geo.padding[i] - span) // geo.stride[i] + 1 != L[i]:
+            return None
+        ext.append(geo.stride[i] * (L[i] - 1) + span)
+    return ext
+
+
+def input_gram_sizes(geo: ConvGeometry) -> tuple[Any, Any] | None:
+    """(Sp, S): rows of one sample's padded-D Gram and of its E Gram (rows per sample times positions)."""
+    ext = input_gram_extent(geo)
+    if ext is None:
+        return None
+    rows = geo.lay.outer * geo.lay.inner
+    return rows * math.prod(ext), geo.positions()
+
+
+def input_gram_cost(geo: ConvGeometry) -> Any:
+    """input_gram's time per sample in multiply-adds: the two Grams, the K windows' sum, and the Grams written
+    and read back (the windows' reads mostly from cache: charged once). None where unfold(D) does not line up."""
+    sizes = input_gram_sizes(geo)
+    if sizes is None:
+        return None
+    Sp, S = sizes
+    g = geo.groups
+    macs = Sp * Sp * geo.weight_shape[1] * g + S * S * geo.weight_shape[0] + geo.K * S * S * g
+    return macs + MACS_PER_BYTE * 4 * g * (2 * Sp * Sp + 3 * S * S)
+
+
+def input_gram_bytes(geo: ConvGeometry) -> Any:
+    """input_gram's fp32 intermediates per sample: the two Grams (and D padded, in its dtype)."""
+    Sp, S = input_gram_sizes(geo)
+    return 4 * geo.groups * (Sp * Sp + S * S) + Sp * geo.weight_shape[1] * geo.groups * geo.d.meta["val"].element_size()
+
+
+def unfold_cost(geo: ConvGeometry) -> Any:
+    """unfold(D) written and read back, in multiply-adds: what the ghost form and the unfused direct form pay
+    that input_gram and the direct kernel do not."""
+    S = geo.positions()
+    return MACS_PER_BYTE * 2 * S * geo.weight_shape[1] * geo.groups * geo.K * geo.d.meta["val"].element_size()
 
 
 def cost(geo: ConvGeometry) -> tuple[Any, Any]:
@@ -130,17 +192,28 @@ def fused_sq(b: GraphBuilder, geo: ConvGeometry) -> fx.Node:
     return b.call(aten.sum.dim_IntList, partial, [1])
 
 
-def choose(geo: ConvGeometry, forced: str) -> tuple[str, str]:
-    ghost, direct = cost(geo)
+def choose(geo: ConvGeometry, forced: str, input_gram_fits: bool = True) -> tuple[str, str]:
+    """(form, why). ghost against direct as before; input_gram where it is cheaper than both with unfold(D)
+    charged to the forms that write it. ``input_gram_fits``: its Grams fit the block size at the expected
+    batch size, or can be computed in blocks of samples."""
+    ghost, direct, ig = *cost(geo), input_gram_cost(geo)
     try:
         ghost_i, direct_i = int(ghost), int(direct)
+        ig_i = None if ig is None else int(ig)
+        unfold_i = int(unfold_cost(geo))
     except TypeError:
         return ("direct", "symbolic shapes: direct form") if forced == "auto" else (forced, f"forced by conv_norm={forced!r}")
     nums = f"S={geo.positions()}, weight {geo.weight_shape}, groups={geo.groups}: ghost ~S^2(Ce+Cd*k)+2 Grams=" \
            f"{ghost_i:.3g} vs direct ~S|w|+|w|={direct_i:.3g} multiply-adds per sample"
+    if ig_i is not None:
+        nums += f"; input_gram ~Sp^2*Cd+S^2*Ce+2 Grams={ig_i:.3g} vs unfold(D) {unfold_i:.3g}"
     if forced != "auto":
         return forced, f"forced by conv_norm={forced!r}; {nums}"
-    return ("ghost" if ghost_i < direct_i else "direct"), nums
+    best, best_i = ("ghost", ghost_i) if ghost_i < direct_i else ("direct", direct_i)
+    with_unfold = min(ghost_i + unfold_i, direct_i + (0 if fused(geo) else unfold_i))
+    if INPUT_GRAM and ig_i is not None and input_gram_fits and ig_i < with_unfold:
+        return "input_gram", nums
+    return best, nums
 
 
 def samples_outermost(geo: ConvGeometry) -> bool:
@@ -233,11 +306,49 @@ def grouped_factors(b: GraphBuilder, geo: ConvGeometry, e: fx.Node, d: fx.Node, 
         return None
     A = sample_major(b, D, geo.lay, [1], B)  # [B, S, Cd * K]
     G = sample_major(b, e, geo.lay, [1], B)  # [B, S, Ce]
-    if groups > 1:  # no -1 in the shapes: B may be 0
-        S = A.meta["val"].shape[1]
-        A, G = (b.reshape(b.permute(b.view(t, [B, S, groups, t.meta["val"].shape[2] // groups]), [0, 2, 1, 3]),
-                          [B * groups, S, t.meta["val"].shape[2] // groups]) for t in (A, G))
-    return A, G
+    return per_group(b, A, B, groups), per_group(b, G, B, groups)
+
+
+def per_group(b: GraphBuilder, t: fx.Node, B: Any, groups: int) -> fx.Node:
+    """[B, S, C] -> [B * groups, S, C / groups]: each (sample, group) its own rows."""
+    if groups == 1:
+        return t
+    S, C = t.meta["val"].shape[1:]  # no -1 in the shapes: B may be 0
+    return b.reshape(b.permute(b.view(t, [B, S, groups, C // groups]), [0, 2, 1, 3]), [B * groups, S, C // groups])
+
+
+def input_gram_sq(b: GraphBuilder, geo: ConvGeometry, e: fx.Node, d: fx.Node, groups: int, B: Any) -> fx.Node | None:
+    """[B * groups] = <E E^T, unfold(D) unfold(D)^T> per sample and group, from the Gram of the padded D over its
+    positions (the input_gram form), or None when unfold(D) would not line up with E's positions."""
+    ext = input_gram_extent(geo, d)
+    if ext is None:
+        return None
+    S_d = list(d.meta["val"].shape[2:])
+    nd = len(S_d)
+    pads = []
+    for i in reversed(range(nd)):  # before: the padding; after: up to what the windows reach (negative: a crop)
+        pads += [geo.padding[i], ext[i] - S_d[i] - geo.padding[i]]
+    if any(pads):
+        d = b.call(aten.constant_pad_nd.default, d, pads, 0.0)
+    X = per_group(b, sample_major(b, d, geo.lay, [1], B), B, groups)  # [B * g, R * prod(ext), Cd / g]
+    G = per_group(b, sample_major(b, e, geo.lay, [1], B), B, groups)  # [B * g, R * prod(L), Ce / g]
+    R = geo.lay.outer * geo.lay.inner  # rows per sample: each its own image, windows never cross them
+    L = list(e.meta["val"].shape[2:])
+    XX = b.view(bmm_f32(b, X, transpose12(b, X)), [B * groups, R, *ext, R, *ext])
+    total = None
+    for offset in itertools.product(*(range(k) for k in geo.kernel)):
+        window = XX
+        for i in range(nd):  # both sides' dim i: positions o * dilation + l * stride, l < L
+            start = offset[i] * geo.dilation[i]
+            end = start + geo.stride[i] * (L[i] - 1) + 1
+            for dim in (2 + i, 3 + nd + i):
+                if (start, end, geo.stride[i]) != (0, ext[i], 1):
+                    window = b.call(aten.slice.Tensor, window, dim, start, end, geo.stride[i])
+        total = window if total is None else b.call(aten.add.Tensor, total, window)
+    S = R * math.prod(L)
+    UU = b.reshape(total, [B * groups, S, S])
+    GG = bmm_f32(b, G, transpose12(b, G))
+    return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, UU, GG), [1, 2])
 
 
 def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: list, dilation: list) -> fx.Node:

@@ -236,7 +236,11 @@ class NormBuilder:
     def conv_sq(self, c: Contribution) -> tuple[fx.Node, str, str]:
         b, B = self.b, self.B
         geo = conv_norms.geometry(c)
-        algo, why = conv_norms.choose(geo, self.ctx.options.conv_norm)
+        by_samples = isinstance(B, int) and conv_norms.samples_outermost(geo)
+        # input_gram's Grams do not shrink in blocks of channels: without blocks of samples they must fit whole
+        fits = by_samples or (conv_norms.input_gram_sizes(geo) is not None
+                              and self._blocks(conv_norms.input_gram_bytes(geo), 2) == 1)
+        algo, why = conv_norms.choose(geo, self.ctx.options.conv_norm, input_gram_fits=fits)
         grams = self.ctx.counters["gram_norm_kernels"]
         if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
             self.ctx.counters["conv_norm_kernels"] += 1
@@ -247,21 +251,26 @@ class NormBuilder:
         # channels (conv_norms.block_operands), the Gram rows blocked apart.
         S = geo.positions()
         unfolded = S * geo.weight_shape[1] * geo.groups * geo.K * geo.d.meta["val"].element_size()
-        intermediate = {"direct": math.prod(geo.weight_shape) * 4,
-                        "ghost": 0 if gram_kernel_takes(S) else 2 * S * S * 4 * geo.groups}
-        by_samples = isinstance(B, int) and conv_norms.samples_outermost(geo)
+        per_sample = {"direct": unfolded + math.prod(geo.weight_shape) * 4,
+                      "ghost": unfolded + (0 if gram_kernel_takes(S) else 2 * S * S * 4 * geo.groups)}
+        if algo == "input_gram" and conv_norms.input_gram_sizes(geo) is not None:
+            per_sample["input_gram"] = conv_norms.input_gram_bytes(geo)  # it writes no unfold(D)
         unit = "samples" if by_samples else "groups" if geo.groups > 1 else "channels"
         for form in (algo, "direct"):
             if by_samples:
-                sq, k = self._conv_sq_by_samples(geo, form, unfolded + intermediate[form])
+                sq, k = self._conv_sq_by_samples(geo, form, per_sample.get(form, 0))
+            elif form == "input_gram":  # its Grams fit whole (choose): one block
+                k = 1
+                parts = self._conv_sq_parts(geo, B, form, [(None, None)])
+                sq = None if parts is None else _add_all(b, parts)
             else:
                 units = conv_norms.block_units(geo)
-                k = self._blocks(unfolded + (intermediate["direct"] if form == "direct" else 0), units)
+                k = self._blocks(per_sample["direct"] if form == "direct" else unfolded, units)
                 parts = self._conv_sq_parts(geo, B, form, [(None, None)] if k == 1 else _spans(units, k))
                 sq, k = (None, k) if parts is None else (_add_all(b, parts), len(parts))
             if sq is not None:
                 break
-            # the ghost form only: its unfold(D) does not line up with E's positions
+            # the Gram forms only: unfold(D) does not line up with E's positions
             algo, why = "direct", "the unfolded operand does not line up with the other one's positions: direct"
         if k > 1:
             why += f"; in {k} blocks of {unit} of at most {NORM_BLOCK_BYTES >> 20} MiB at the expected batch size"
@@ -291,6 +300,15 @@ class NormBuilder:
         b = self.b
         if algo == "direct":
             return [b.sq_sum_per_sample(conv_norms.per_sample_weight_grads(b, geo, B, lo, hi)) for lo, hi in spans]
+        if algo == "input_gram":
+            parts = []
+            for lo, hi in spans:
+                e, d, g = conv_norms.block_operands(b, geo, lo, hi)
+                sq = conv_norms.input_gram_sq(b, geo, e, d, g, B)  # [B * g]
+                if sq is None:
+                    return None
+                parts.append(b.sum_per_sample(b.view(sq, [B, g])) if g > 1 else sq)
+            return parts
         # sum over groups of <E E^T, D D^T>; D D^T adds over D's channel blocks, so a block's part is
         # <E E^T, D_blk D_blk^T> (whole groups: its groups' terms)
         parts = []

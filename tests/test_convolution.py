@@ -44,9 +44,10 @@ FORMS = {
 }
 
 
-# every form with both schedules and both norm forms, paired differently from form to form (CI time)
+# every form with both schedules and every norm form, paired differently from form to form (CI time)
 RUNS = [(form, schedule, norm) for i, form in enumerate(sorted(FORMS))
-        for schedule, norm in ((("bk", "direct"), ("ghost", "ghost")), (("bk", "ghost"), ("ghost", "direct")))[i % 2]]
+        for schedule, norm in ((("bk", "direct"), ("ghost", "ghost"), ("bk", "input_gram")),
+                               (("bk", "ghost"), ("ghost", "direct"), ("ghost", "input_gram")))[i % 2]]
 
 
 @pytest.mark.parametrize("form,schedule,conv_norm", RUNS)
@@ -91,8 +92,44 @@ def test_auto_picks_the_cheaper_norm_per_layer_and_says_why():
         assert "ghost ~" in params[name]["why"] and "direct ~" in params[name]["why"]
 
 
+class FewPositionsManyChannels(nn.Module):
+    """3x3 convolutions over 4x4 positions with 128 channels (a CIFAR WRN's last stage, narrowed), one dilated,
+    one strided, and a Conv1d over rows that are not the samples (a [B, 4, C, L] stack folded to [B * 4, C, L]:
+    each sample's 4 rows are sequences of their own, which no window crosses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(128, 128, 3, padding=1)
+        self.c = nn.Conv2d(128, 128, 3, padding=2, dilation=2)
+        self.b = nn.Conv2d(128, 128, 3, stride=2, padding=1)
+        self.seq = nn.Conv1d(128, 128, 3, padding=1)
+        self.fc = nn.Linear(4 * 128 * 4, 2)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.c(torch.tanh(self.a(x))))).flatten(2)  # [B, 128, 4]
+        rows = torch.stack([h, torch.tanh(h), h * h, -h], 1).reshape(-1, 128, 4)  # [B * 4, 128, 4]
+        return self.fc(self.seq(rows).reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("schedule,batch", [("bk", "static"), ("ghost", "unbacked")])
+def test_auto_takes_input_gram_where_positions_are_few_and_it_matches_the_oracle(schedule, batch):
+    """Few positions and many channels: the padded input's Gram over its positions (input_gram) is cheaper than
+    unfold(D)'s and than the per-sample gradients; exact against the oracle with clipping active, for a
+    strided, a dilated grouped and a sequence-folded convolution, with a static and an unbacked batch size."""
+    model = FewPositionsManyChannels()
+    x, y = torch.randn(5, 128, 4, 4), torch.randn(5, 2)
+    if batch == "unbacked":
+        dpcompile.mark_batch(x, y)
+    backend = check_against_reference(model, M.mse, (x,), (y,), schedule=schedule, compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    params = rec.summary["params"]
+    for name in ("a.weight", "b.weight", "c.weight", "seq.weight"):
+        assert params[name]["norm"] == "input_gram" and "input_gram ~" in params[name]["why"], params[name]
+    assert rec.counters["norm_conv_input_gram"] == 4
+
+
 @pytest.mark.parametrize("conv_norm,batch", [("direct", "static"), ("ghost", "static"), ("direct", "unbacked"),
-                                              ("ghost", "unbacked")])
+                                              ("ghost", "unbacked"), ("input_gram", "static")])
 def test_large_convolution_norms_are_computed_in_blocks(conv_norm, batch, monkeypatch):
     """Blocks of samples with a static batch size; with an unbacked one (dpcompile.mark_batch: sharded steps,
     Poisson sampling), blocks of the unfolded operand's channels (and of Gram rows)."""

@@ -135,16 +135,27 @@ def input_gram_sizes(geo: ConvGeometry) -> tuple[Any, Any] | None:
     return rows * math.prod(ext), geo.positions()
 
 
-def input_gram_cost(geo: ConvGeometry) -> Any:
-    """input_gram's time per sample in multiply-adds: the two Grams, the K windows' sum, and the Grams written
-    and read back (the windows' reads mostly from cache: charged once). None where unfold(D) does not line up."""
+# input_gram's time, fitted to one H200 (benchmarks/conv_norm_kernel.py, a WRN-16-4's layers at batch 256,
+# channels-last, 36th session), in the units of cost(): the direct kernel's multiply-adds as charged there. Its
+# time is a fixed part per layer (its five kernels: pad, two Gram matmuls, the windows' sum and the product's
+# reduction) plus one part per byte of the padded input's fp32 [Sp, Sp] Gram; the matmuls' multiply-adds, on
+# tensor cores, are lost in those. Per dtype of the operands: (units per Gram byte, units per layer). fp32 (TF32):
+# 16x16 128->128 0.200 ms against the kernel's 0.293, 8x8 256->256 0.109 against 0.257, 8x8 128->256 stride 2
+# 0.184 against 0.138; bf16: 0.18-0.21 ms against the kernel's 0.04-0.09, so never at those sizes.
+INPUT_GRAM_COST = {torch.float32: (MACS_PER_BYTE, 5.1e9)}
+INPUT_GRAM_COST_HALF = (180, 3.1e10)
+
+
+def input_gram_cost(geo: ConvGeometry, batch: Any = 1) -> Any:
+    """input_gram's time per sample (INPUT_GRAM_COST) at ``batch`` samples a step, None where unfold(D) does not
+    line up with E's positions."""
     sizes = input_gram_sizes(geo)
     if sizes is None:
         return None
-    Sp, S = sizes
-    g = geo.groups
-    macs = Sp * Sp * geo.weight_shape[1] * g + S * S * geo.weight_shape[0] + geo.K * S * S * g
-    return macs + MACS_PER_BYTE * 4 * g * (2 * Sp * Sp + 3 * S * S)
+    Sp, _ = sizes
+    dtype = conv_sq_norms.kernel_dtype(geo.e.meta["val"].dtype, geo.d.meta["val"].dtype)
+    per_byte, per_layer = INPUT_GRAM_COST.get(dtype, INPUT_GRAM_COST_HALF)
+    return per_byte * 4 * geo.groups * Sp * Sp + per_layer / max(1, batch)
 
 
 def input_gram_bytes(geo: ConvGeometry) -> Any:
@@ -192,11 +203,12 @@ def fused_sq(b: GraphBuilder, geo: ConvGeometry) -> fx.Node:
     return b.call(aten.sum.dim_IntList, partial, [1])
 
 
-def choose(geo: ConvGeometry, forced: str, input_gram_fits: bool = True) -> tuple[str, str]:
+def choose(geo: ConvGeometry, forced: str, input_gram_fits: bool = True, batch: Any = 1) -> tuple[str, str]:
     """(form, why). ghost against direct as before; input_gram where it is cheaper than both with unfold(D)
     charged to the forms that write it. ``input_gram_fits``: its Grams fit the block size at the expected
-    batch size, or can be computed in blocks of samples."""
-    ghost, direct, ig = *cost(geo), input_gram_cost(geo)
+    batch size, or can be computed in blocks of samples; ``batch``: samples a step (its fixed cost per layer
+    is shared by them)."""
+    ghost, direct, ig = *cost(geo), input_gram_cost(geo, batch)
     try:
         ghost_i, direct_i = int(ghost), int(direct)
         ig_i = None if ig is None else int(ig)
@@ -206,7 +218,7 @@ def choose(geo: ConvGeometry, forced: str, input_gram_fits: bool = True) -> tupl
     nums = f"S={geo.positions()}, weight {geo.weight_shape}, groups={geo.groups}: ghost ~S^2(Ce+Cd*k)+2 Grams=" \
            f"{ghost_i:.3g} vs direct ~S|w|+|w|={direct_i:.3g} multiply-adds per sample"
     if ig_i is not None:
-        nums += f"; input_gram ~Sp^2*Cd+S^2*Ce+2 Grams={ig_i:.3g} vs unfold(D) {unfold_i:.3g}"
+        nums += f"; input_gram ~Sp^2 Gram bytes+1 layer/B={ig_i:.3g} vs unfold(D) {unfold_i:.3g}"
     if forced != "auto":
         return forced, f"forced by conv_norm={forced!r}; {nums}"
     best, best_i = ("ghost", ghost_i) if ghost_i < direct_i else ("direct", direct_i)

@@ -240,7 +240,8 @@ class NormBuilder:
         # input_gram's Grams do not shrink in blocks of channels: without blocks of samples they must fit whole
         fits = by_samples or (conv_norms.input_gram_sizes(geo) is not None
                               and self._blocks(conv_norms.input_gram_bytes(geo), 2) == 1)
-        algo, why = conv_norms.choose(geo, self.ctx.options.conv_norm, input_gram_fits=fits)
+        batch = B if isinstance(B, int) else self.ctx.options.expected_batch_size or 1
+        algo, why = conv_norms.choose(geo, self.ctx.options.conv_norm, input_gram_fits=fits, batch=batch)
         grams = self.ctx.counters["gram_norm_kernels"]
         if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
             self.ctx.counters["conv_norm_kernels"] += 1

@@ -8,7 +8,7 @@ import dpcompile
 import models as M
 from helpers import check_against_reference
 
-from dpcompile.passes import per_sample_norms
+from dpcompile.passes import conv_norms, per_sample_norms
 
 _CONV = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (3, False): nn.Conv3d,
          (1, True): nn.ConvTranspose1d, (2, True): nn.ConvTranspose2d, (3, True): nn.ConvTranspose3d}
@@ -112,10 +112,12 @@ class FewPositionsManyChannels(nn.Module):
 
 
 @pytest.mark.parametrize("schedule,batch", [("bk", "static"), ("ghost", "unbacked")])
-def test_auto_takes_input_gram_where_positions_are_few_and_it_matches_the_oracle(schedule, batch):
+def test_auto_takes_input_gram_where_positions_are_few_and_it_matches_the_oracle(schedule, batch, monkeypatch):
     """Few positions and many channels: the padded input's Gram over its positions (input_gram) is cheaper than
-    unfold(D)'s and than the per-sample gradients; exact against the oracle with clipping active, for a
-    strided, a dilated grouped and a sequence-folded convolution, with a static and an unbacked batch size."""
+    unfold(D)'s and than the per-sample gradients once its fixed cost per layer is shared by enough samples
+    (here: none, as at a large batch); exact against the oracle with clipping active, for a strided, a dilated
+    and a sequence-folded convolution, with a static and an unbacked batch size."""
+    monkeypatch.setattr(conv_norms, "INPUT_GRAM_COST", {torch.float32: (conv_norms.MACS_PER_BYTE, 0.0)})
     model = FewPositionsManyChannels()
     x, y = torch.randn(5, 128, 4, 4), torch.randn(5, 2)
     if batch == "unbacked":
@@ -126,6 +128,17 @@ def test_auto_takes_input_gram_where_positions_are_few_and_it_matches_the_oracle
     for name in ("a.weight", "b.weight", "c.weight", "seq.weight"):
         assert params[name]["norm"] == "input_gram" and "input_gram ~" in params[name]["why"], params[name]
     assert rec.counters["norm_conv_input_gram"] == 4
+
+
+def test_input_gram_fixed_cost_per_layer_keeps_auto_off_it_at_a_small_batch():
+    """The same layers at 5 samples with the measured costs: input_gram's five kernels per layer cost more than
+    the other forms save, so auto does not take it."""
+    model = FewPositionsManyChannels()
+    backend = check_against_reference(model, M.mse, (torch.randn(5, 128, 4, 4),), (torch.randn(5, 2),),
+                                      schedule="bk", compiler="eager")
+    (rec,) = [r for r in backend.compiled if r.dp]
+    assert not rec.counters.get("norm_conv_input_gram"), dict(rec.counters)
+    assert "input_gram ~" in rec.summary["params"]["a.weight"]["why"]
 
 
 @pytest.mark.parametrize("conv_norm,batch", [("direct", "static"), ("ghost", "static"), ("direct", "unbacked"),

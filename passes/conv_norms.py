@@ -7,7 +7,7 @@ weight's dim 0 and D the other operand unfolded (its channels times the kernel p
 - transposed convolution (the input gradient of a convolution): E = the input, D = unfold(output gradient)
   over the input positions, with the same stride, padding and dilation;
 
-and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's ||dW||^2:
+and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Three exact forms of a sample's ||dW||^2:
 
 - direct: the per-sample gradient itself, E^T unfold(D) per sample and group, one batched contraction in the
   operands' dtype with fp32 accumulation: [B, *weight], exact. For 1-D and 2-D convolutions the kernel of
@@ -26,7 +26,7 @@ and per group, dW[e, d] = sum_p E[e, p] D[d, p]. Two exact forms of a sample's |
   (a CIFAR WRN's 8x8 layers, a ResNet's last stage).
 
 The unfold is exact (one gather from the padded operand, or a reshape for non-overlapping patches): no
-arithmetic, so no TF32 rounding of a convolution with an identity kernel. Both forms unfold D; when unfold(D)
+arithmetic, so no TF32 rounding of a convolution with an identity kernel. The first two unfold D; when unfold(D)
 with the form's fp32 intermediate would exceed the norm block size at the expected batch size, both run in
 blocks whose squared norms add: of samples with a static batch size (sample_block), else of whole groups or
 of D's channels (block_operands).
@@ -221,7 +221,7 @@ def choose(geo: ConvGeometry, forced: str, input_gram_fits: bool = True, batch: 
         nums += f"; input_gram ~Sp^2 Gram bytes+1 layer/B={ig_i:.3g} vs unfold(D) {unfold_i:.3g}"
     if forced != "auto":
         return forced, f"forced by conv_norm={forced!r}; {nums}"
-    best, best_i = ("ghost", ghost_i) if ghost_i < direct_i else ("direct", direct_i)
+    best = "ghost" if ghost_i < direct_i else "direct"
     with_unfold = min(ghost_i + unfold_i, direct_i + (0 if fused(geo) else unfold_i))
     if INPUT_GRAM and ig_i is not None and input_gram_fits and ig_i < with_unfold:
         return "input_gram", nums

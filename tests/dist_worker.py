@@ -235,6 +235,8 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
         options["compiler"] = "eager"
     if "cpp" in flags:  # Inductor's C++ wrapper launches the kernels (collectives and dpcompile's ops included)
         options["cpp_wrapper"] = True
+    if "input_gram" in flags:  # every convolution's norm from its padded input's Gram (auto: large batches only)
+        options["conv_norm"] = "input_gram"
     from dpcompile.passes import aligned_contractions, second_backward_recompute
 
     patches = []

@@ -137,6 +137,21 @@ def test_cpp_wrapper_sharded(tmp_path):
             assert r["clipped"] > 0 and r["unclipped"] > 0 and r["compiler"] == "inductor", r
 
 
+def test_input_gram_conv_norms_sharded(tmp_path):
+    """conv_norm="input_gram" on 2 ranks (an unbacked batch size, ranks with no samples): every convolution of the
+    vision blocks (strided, depthwise 7x7, transposed, 1x1, a Conv1d) exact against the oracle, both schedules,
+    one op by op and one through Inductor."""
+    runs = [("vision_blocks", "bk", "private_step+eager+input_gram"), ("vision_blocks", "ghost", "compile+input_gram")]
+    spawn(dist_worker.every_case, str(tmp_path), runs, timeout=1200)
+    for rank, results in enumerate(_read(tmp_path, prefix="cases")):
+        for case, schedule, form in runs:
+            r = results[f"{case}-{schedule}-{form}"]
+            assert r["error"] is None, f"rank {rank}:\n{r['error']}"
+            assert r["clipped"] > 0 and r["unclipped"] > 0, r
+            assert r["counters"].get("norm_conv_input_gram", 0) >= 4, r["counters"]
+            assert r["batch_size"].startswith("u") and r["waits_out_of_order"] == [], r
+
+
 @pytest.mark.parametrize("case,schedule", [("gpt", "bk"), ("llama", "ghost")])
 def test_collectives_per_phase(case, schedule, tmp_path):
     """Unbucketed (bucket_collectives(None)): dpcompile's own placement of one collective per parameter."""

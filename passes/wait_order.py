@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .cleanup import stable_topological_sort
-from .collective_order import issue_order_edges, waits_of
+from .collective_order import issue_order_edges
 from .context import DPPassContext
 
 _C10D = torch.ops._c10d_functional
@@ -38,6 +38,8 @@ def wait_order_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if _is_collective(n):
             by_kind[n.target].append(n)  # in graph order: the order this rank issues them in
+    if not by_kind:
+        return gm  # one process: nothing to order
     waits_before = [n for n in gm.graph.nodes if n.target is _C10D.wait_tensor.default]
     after: dict[fx.Node, list[fx.Node]] = {}
     for order in by_kind.values():

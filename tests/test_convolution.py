@@ -36,6 +36,7 @@ def _out_numel(m, dim, size):
 FORMS = {
     "2d": (2, False, {}),
     "2d_stride_pad_groups": (2, False, dict(stride=2, padding=1, groups=2)),
+    "2d_stride_past_the_end": (2, False, dict(stride=3)),  # the windows never reach the last column (a crop)
     "2d_depthwise_no_bias": (2, False, dict(groups=2, bias=False)),
     "1d_dilated_same": (1, False, dict(dilation=2, padding="same")),
     "3d_anisotropic_stride": (3, False, dict(stride=(1, 2, 1), padding=(0, 1, 1))),

@@ -247,9 +247,10 @@ class NormBuilder:
             self.ctx.counters["conv_norm_kernels"] += 1
             return conv_norms.fused_sq(b, geo), algo, why + "; in one kernel (dpcompile::conv_weight_sq_norms)"
         # Blocks keep the unfolded operand and the form's fp32 intermediate ([B, *weight] gradients, or two
-        # [B, S, S] Gram matrices) within the block size. With a static batch size: blocks of samples (contiguous
-        # rows of both operands, every intermediate shrinks). Otherwise: blocks of whole groups or of D's
-        # channels (conv_norms.block_operands), the Gram rows blocked apart.
+        # [B, S, S] Gram matrices; input_gram: its two Grams, no unfold) within the block size. With a static
+        # batch size: blocks of samples (contiguous rows of both operands, every intermediate shrinks).
+        # Otherwise: blocks of whole groups or of D's channels (conv_norms.block_operands), the Gram rows blocked
+        # apart; input_gram's Grams do not shrink so, and choose() takes it there only when they fit whole.
         S = geo.positions()
         unfolded = S * geo.weight_shape[1] * geo.groups * geo.K * geo.d.meta["val"].element_size()
         per_sample = {"direct": unfolded + math.prod(geo.weight_shape) * 4,

@@ -41,8 +41,8 @@ from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
-from dpcompile.compat import (conv_backward_layout_as_input, size_oblivious_channels_last,  # noqa: E402
-                              size_oblivious_global_avg_pool, size_oblivious_nll_loss_nd,
+from dpcompile.compat import (conv_backward_layout_as_input, integer_equalities_decided,  # noqa: E402
+                              size_oblivious_channels_last, size_oblivious_global_avg_pool, size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check,
                               size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
                               uniform_fold_skips_unbacked_guards)
@@ -141,3 +141,4 @@ size_oblivious_repeat()
 size_oblivious_channels_last()
 conv_backward_layout_as_input()
 uniform_fold_skips_unbacked_guards()
+integer_equalities_decided()

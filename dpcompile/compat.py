@@ -52,6 +52,9 @@ unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s he
 batch is 1 (``reshape_indexer_refuses_unbacked_guesses``: such an equality makes the indexer take its
 flattened fallback, exact for every size).
 
+An equality of an unbacked size that no integer satisfies (``3*u0 == 1``: a dim that folds the samples with
+something else, asked whether it is 1) is answered false (``integer_equalities_decided``).
+
 ``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
 (``size_oblivious_norm_batch_check``: asked with ``guard_or_false``).
 
@@ -555,6 +558,55 @@ def size_oblivious_norm_batch_check() -> None:
         return _verify_batch_size
 
     _wrap_once(F, "_verify_batch_size", wrap)
+
+
+def integer_equalities_decided() -> None:
+    """The shape environment answers ``a == b`` (and ``!=``) of integer polynomials that no integers can make
+    equal: ``3*u0 == 1`` has no integer solution, whatever u0. torch decides equalities of unbacked sizes by
+    their value ranges only (u0 in [0, inf) allows 3*u0 to be 1), so such a question raised
+    GuardOnDataDependentSymNode: Inductor's CPU matmul lowering asks whether a dim is 1, and with samples folded
+    into it (Funnel's attention, ``[3*B, ...]``) a sharded step failed to compile. Where the gcd of the
+    non-constant coefficients does not divide the constant, the equality is false for every integer value, so
+    the answer holds for every batch size: no guard and no runtime assert is needed. Anything else is left to
+    torch as before."""
+    try:
+        import math
+
+        import sympy
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    except ImportError:
+        return
+
+    def no_integer_solution(diff) -> bool:
+        symbols = diff.free_symbols
+        if not symbols or not all(s.is_integer for s in symbols):
+            return False
+        try:
+            terms = sympy.Poly(diff, *sorted(symbols, key=str)).terms()
+        except sympy.PolynomialError:  # FloorDiv, Mod, ...: not a polynomial
+            return False
+        g, const = 0, 0
+        for monom, coeff in terms:
+            if not coeff.is_integer:
+                return False
+            if any(monom):
+                g = math.gcd(g, int(coeff))
+            else:
+                const = int(coeff)
+        return g > 1 and const % g != 0
+
+    def wrap(original):
+        def _maybe_evaluate_static(self, expr, *args, **kwargs):
+            out = original(self, expr, *args, **kwargs)
+            if out is None and isinstance(expr, (sympy.Eq, sympy.Ne)) and no_integer_solution(expr.lhs - expr.rhs):
+                return sympy.false if isinstance(expr, sympy.Eq) else sympy.true
+            return out
+
+        if hasattr(original, "cache_clear"):  # ShapeEnv clears the original's cache when it learns new facts
+            _maybe_evaluate_static.cache_clear = original.cache_clear
+        return _maybe_evaluate_static
+
+    _wrap_once(ShapeEnv, "_maybe_evaluate_static", wrap)
 
 
 def uniform_fold_skips_unbacked_guards() -> None:

@@ -570,6 +570,7 @@ def integer_equalities_decided() -> None:
     the answer holds for every batch size: no guard and no runtime assert is needed. Anything else is left to
     torch as before."""
     try:
+        import functools
         import math
 
         import sympy
@@ -577,6 +578,8 @@ def integer_equalities_decided() -> None:
     except ImportError:
         return
 
+    # cached: Inductor asks statically_known_* of the same undecided equalities many times, and a Poly is slow
+    @functools.lru_cache(maxsize=4096)
     def no_integer_solution(diff) -> bool:
         symbols = diff.free_symbols
         if not symbols or not all(s.is_integer for s in symbols):

@@ -15,14 +15,11 @@ chain) stays where it is.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from .cleanup import stable_topological_sort
-from .collective_order import gradient_collectives, issue_order_edges
+from .collective_order import gradient_collectives, issue_order_edges, waits_of
 from .context import DPPassContext
-
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _depends_on(node: fx.Node, target: fx.Node, pos: dict[fx.Node, int]) -> bool:
@@ -44,7 +41,7 @@ def comm_overlap_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     after = issue_order_edges(order)  # deferred, the waits keep their order
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for c, nxt in zip(order, order[1:]):
-        waits = [u for u in c.users if u.target is _WAIT]
+        waits = waits_of(c)
         if len(waits) != 1:
             continue
         wait = waits[0]

@@ -117,13 +117,14 @@ def input_gram_extent(geo: ConvGeometry, d: fx.Node | None = None) -> list | Non
     transposed convolution whose output_padding reaches past its stride)."""
     S_d = list((geo.d if d is None else d).meta["val"].shape[2:])
     L = list(geo.e.meta["val"].shape[2:])
-    ext = []
-    for i in range(len(L)):
-        span = geo.dilation[i] * (geo.kernel[i] - 1) + 1
-        if (S_d[i] + 2 * geo.padding[i] - span) // geo.stride[i] + 1 != L[i]:
-            return None
-        ext.append(geo.stride[i] * (L[i] - 1) + span)
-    return ext
+    if window_positions(S_d, geo.kernel, geo.stride, geo.padding, geo.dilation) != L:
+        return None
+    return [geo.stride[i] * (L[i] - 1) + geo.dilation[i] * (geo.kernel[i] - 1) + 1 for i in range(len(L))]
+
+
+def window_positions(S: list, kernel: list, stride: list, padding: list, dilation: list) -> list:
+    """The positions a convolution's windows take along each spatial dim of an input of sizes S."""
+    return [(S[i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(len(S))]
 
 
 def input_gram_sizes(geo: ConvGeometry) -> tuple[Any, Any] | None:
@@ -369,7 +370,7 @@ def unfold(b: GraphBuilder, x: fx.Node, kernel: list, stride: list, padding: lis
     shape = list(x.meta["val"].shape)
     N, C, S = shape[0], shape[1], shape[2:]
     nd = len(S)
-    L = [(S[i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(nd)]
+    L = window_positions(S, kernel, stride, padding, dilation)
     if all(stride[i] == kernel[i] and dilation[i] == 1 and padding[i] == 0 for i in range(nd)):
         # non-overlapping patches (a ViT's patch embedding): a reshape
         for i in range(nd):

@@ -21,9 +21,10 @@ below, which slices ``dpcompile::randn``'s flat draw (computed with torch ops wh
 dpcompile.philox).
 
 CUDA launches: one for all tensors of one pair of dtypes, through a table of their addresses (int64, five entries
-per tensor, staged in pinned memory and copied to the device without waiting for it); while a CUDA graph is
-captured, where no table can be copied, one launch per tensor with its addresses as arguments (dpcompile's
-cudagraphs=True steps).
+per tensor, staged in pinned memory and copied to the device without waiting for it). While a CUDA graph is
+captured (dpcompile's cudagraphs=True steps) the table's copy is captured too: a graph's addresses are the same at
+every replay, so the host table made at capture stays right, and is kept alive for the graphs that read it
+(``_GraphTables``). ``per_tensor`` launches (one per tensor, addresses as arguments) remain for comparison.
 """
 from __future__ import annotations
 
@@ -125,32 +126,66 @@ def _table(rows: list[tuple[int, int, int, int, int]], device: torch.device) -> 
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
+class _GraphTables:
+    """Pinned host memory for the address tables of CUDA graph captures. A capture's table copy becomes a node of
+    the graph, which reads the host table at every replay: that table is never freed or recycled (a few bytes per
+    tensor per capture). Pinned memory cannot be allocated while this thread captures (torch's copy refuses
+    pageable memory then), so calls outside a capture, such as the warm-up before one, set it aside: at least
+    ``RESERVE`` entries and four times the call's table."""
+
+    RESERVE = 1 << 16
+
+    def __init__(self) -> None:
+        self.free: torch.Tensor | None = None  # pinned int64, not yet handed to a capture
+        self.kept: list[torch.Tensor] = []  # handed to captures
+
+    def set_aside(self, entries: int) -> None:
+        if self.free is None or self.free.numel() < 4 * entries:
+            self.free = torch.empty(max(self.RESERVE, 4 * entries), dtype=torch.int64, pin_memory=True)
+
+    def take(self, rows: list[tuple[int, int, int, int, int]], device: torch.device) -> torch.Tensor | None:
+        """The table on the device, copied by the graph at every replay; None where too little was set aside
+        (a capture without a warm-up call: the launches go per tensor)."""
+        n = 5 * len(rows)
+        if self.free is None or self.free.numel() < n:
+            return None
+        host, self.free = self.free[:n], self.free[n:]
+        host.copy_(torch.tensor([v for row in rows for v in row], dtype=torch.int64))
+        self.kept.append(host)
+        return host.to(device, non_blocking=True)
+
+
+_GRAPH_TABLES = _GraphTables()
+
+
 def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None:
     """The Triton kernels (on CPU tensors too under TRITON_INTERPRET=1): one launch per pair of dtypes through an
-    address table, or (per_tensor, and while a CUDA graph is captured) one launch per tensor."""
+    address table (captured with its copy while a CUDA graph is), or (per_tensor) one launch per tensor."""
     from dpcompile import triton_kernels
 
     starts, _ = tile_starts([s.numel() for s in srcs])
     recording = kernel_plans.is_recording()  # fake tensors (dpcompile.precompile): no addresses, no table to copy
-    capturing = per_tensor or (not recording and seeds.device.type == "cuda" and
-                               torch.cuda.is_current_stream_capturing())
+    capturing = not recording and seeds.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     by_dtype: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for k, (s, o) in enumerate(zip(srcs, outs)):
         if s.numel():
             by_dtype.setdefault((s.dtype, o.dtype), []).append(k)
+    if not capturing and not recording and seeds.device.type == "cuda":
+        _GRAPH_TABLES.set_aside(5 * sum(len(ks) for ks in by_dtype.values()))
     for ks in by_dtype.values():
-        if capturing:
-            for k in ks:
-                n = srcs[k].numel()
-                kernel_plans.launch(triton_kernels.add_randn_one_kernel, (-(-n // TILE),),
-                                    (srcs[k], outs[k], n, starts[k], seeds, index, scale), _CONSTS)
-            continue
         rows, first = [], 0
         for k in ks:
             n = srcs[k].numel()
             rows.append((0, 0, n, first, starts[k]) if recording else
                         (srcs[k].data_ptr(), outs[k].data_ptr(), n, first, starts[k]))
             first += -(-n // TILE)
-        table = seeds.new_empty([5 * len(rows)]) if recording else _table(rows, seeds.device)
+        table = None if per_tensor else seeds.new_empty([5 * len(rows)]) if recording else \
+            _GRAPH_TABLES.take(rows, seeds.device) if capturing else _table(rows, seeds.device)
+        if table is None:
+            for k in ks:
+                n = srcs[k].numel()
+                kernel_plans.launch(triton_kernels.add_randn_one_kernel, (-(-n // TILE),),
+                                    (srcs[k], outs[k], n, starts[k], seeds, index, scale), _CONSTS)
+            continue
         kernel_plans.launch(triton_kernels.add_randn_kernel, (first,),
                             (table, len(rows), srcs[ks[0]], outs[ks[0]], seeds, index, scale), _CONSTS)

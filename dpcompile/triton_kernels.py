@@ -279,7 +279,7 @@ def add_randn_kernel(table_ptr, tensors, src_ref, out_ref, seeds_ptr, index, sca
 
 @triton.jit(do_not_specialize=["n", "start"])
 def add_randn_one_kernel(src, out, n, start, seeds_ptr, index, scale_ptr, BLOCK: tl.constexpr):
-    # One tensor (while a CUDA graph is captured: no address table): program p is the draw's program start + p.
+    # One tensor, its addresses as arguments (add_randn.launch's per_tensor): program p is the draw's program start + p.
     # n and start unspecialised: one compiled kernel per pair of dtypes, not one per tensor size.
     p = tl.program_id(0)
     _add_randn_program(src, out, n, p, start + p, tl.load(seeds_ptr + index), tl.load(scale_ptr), BLOCK, False)

@@ -21,8 +21,9 @@ about 3.3 ms to read and write the gradients, BENCHMARKS.md); on the CPU a strea
 (two draws of a long run repeat each other with probability n^2 / 2^33) and normals bounded at 5.8 standard
 deviations, as Triton's ``tl.randn`` bounds them at 5.68 (triton_kernels.radius_uniform).
 
-Steps replayed as CUDA graphs (``cudagraphs=True``) call the same op: it launches once per tensor while a graph
-is captured, with the addresses as arguments, since no address table can be copied then.
+Steps replayed as CUDA graphs (``cudagraphs=True``) call the same op: its address table's copy is captured with
+the kernel (a graph's addresses do not change between replays), so a graph too adds all noise in one launch per
+pair of dtypes.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ which adds it to gradients. Run as a script with TRITON_INTERPRET=1 (set before 
 tests/test_noise.py starts it in a process of its own) it checks the kernels on CPU tensors, the draw alone and as
 the compiled step's noise, or (argument ``add_randn``) the fused add against the flat draw, or (argument
 ``tails``) the normals' transform against a numpy Philox and Box-Muller, where the radius's uniform is refined;
-tests/test_gpu.py imports ``draw_statistics``, ``add_randn_cases`` and ``tail_cases`` for CUDA."""
+tests/test_gpu.py imports ``draw_statistics``, ``add_randn_cases``, ``graph_replays`` and ``tail_cases`` for
+CUDA."""
 from __future__ import annotations
 
 import json
@@ -55,21 +56,76 @@ def assert_standard_normal(stats: dict) -> None:
     assert stats["lane_corr_max"] < 5.0 / np.sqrt(n / 4), stats
 
 
-def add_randn_cases(device: str) -> dict:
-    """dpcompile::add_randn on gradients of every layout (contiguous, transposed, a strided slice it must copy,
-    empty, several programs long) and dtype, through the op (one launch per dtype, an address table), the
-    per-tensor launches (CUDA graph capture's path) and the reference (the flat draw sliced at each tensor's first
-    program): the largest differences, per dtype, and the statistics of the noise in fp32."""
-    from dpcompile import add_randn as A
-
-    gen = torch.Generator().manual_seed(0)
-
+def _gradients(device: str, gen: torch.Generator) -> list[torch.Tensor]:
+    """Gradients of every layout (contiguous, transposed, a strided slice the op copies, empty, several programs
+    long) and dtype."""
     def t(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     grads = [t(35), t(3, 4096 + 5), t(7, 9).t(), t(5000)[::2], t(0), t(2, 3, 4).permute(2, 0, 1),
              t(4, 6, dtype=torch.float64), t(10, 50, dtype=torch.bfloat16), t(3 * 4096 + 1)]
-    grads += [t(700 * k + 1) for k in range(20)]  # a deeper search for a program's tensor
+    return grads + [t(700 * k + 1) for k in range(20)]  # a deeper search for a program's tensor
+
+
+def _gaps(xs, ys) -> dict:
+    return {str(dt): max([float((x.double() - y.double()).abs().max()) for x, y in zip(xs, ys)
+                          if x.dtype == dt and x.numel()] or [0.0])
+            for dt in (torch.float32, torch.float64, torch.bfloat16)}
+
+
+def graph_replays(device: str = "cuda") -> dict:
+    """dpcompile::add_randn captured in a CUDA graph (cudagraphs=True steps): the address table's copy is a node
+    of the graph. The graph frees the table and writes -1 over its memory after the kernels; two replays, each
+    with new gradient values and a new seed, must each add that seed's draw, and launch one table kernel per pair
+    of dtypes (three here), no per-tensor kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dpcompile import add_randn as A
+
+    gen = torch.Generator().manual_seed(1)
+    static = [g.clone() for g in _gradients(device, gen)]
+    seeds = torch.tensor([3, 4], dtype=torch.int64, device=device)
+    scale = torch.tensor(0.5, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels before the capture, as torch.cuda.graph's users warm up
+        torch.ops.dpcompile.add_randn(static, seeds, 1, scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = torch.ops.dpcompile.add_randn(static, seeds, 1, scale)
+        torch.full((1 << 16,), -1, dtype=torch.int64, device=device)  # takes the freed table's memory in the pool
+    gaps, names = [], []
+    for seed in (77, -5):
+        fresh = _gradients(device, gen)
+        for g, new in zip(static, fresh):
+            g.copy_(new)
+        seeds[1] = seed
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        names.append([e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+        refs = [torch.empty_like(g) for g in fresh]
+        A.reference(A.sources(fresh, refs), refs, seeds, 1, scale)
+        gaps.append(_gaps(outs, refs))
+    return {"gaps": gaps, "table_launches": [n.count("add_randn_kernel") for n in names],
+            "per_tensor_launches": [n.count("add_randn_one_kernel") for n in names]}
+
+
+def assert_graph_replays(case: dict) -> None:
+    assert case["table_launches"] == [3, 3] and case["per_tensor_launches"] == [0, 0], case
+    for gaps in case["gaps"]:  # as assert_adds_flat_draw's
+        assert gaps["torch.float32"] == 0 and gaps["torch.float64"] == 0 and gaps["torch.bfloat16"] <= 2 ** -4, case
+
+
+def add_randn_cases(device: str) -> dict:
+    """dpcompile::add_randn on gradients of every layout (contiguous, transposed, a strided slice it must copy,
+    empty, several programs long) and dtype, through the op (one launch per dtype, an address table), the
+    per-tensor launches and the reference (the flat draw sliced at each tensor's first
+    program): the largest differences, per dtype, and the statistics of the noise in fp32."""
+    from dpcompile import add_randn as A
+
+    grads = _gradients(device, torch.Generator().manual_seed(0))
     seeds = torch.tensor([3, 4, 5], dtype=torch.int64, device=device)
     scale = torch.tensor(0.5, device=device)
     before = [g.clone() for g in grads]
@@ -85,19 +141,14 @@ def add_randn_cases(device: str) -> dict:
     cast_refs = [torch.empty_like(g, dtype=torch.float32) for g in low]
     A.reference(A.sources(low, cast_refs), cast_refs, seeds, 1, scale)
 
-    def gap(xs, ys):
-        return {str(dt): max([float((x.double() - y.double()).abs().max()) for x, y in zip(xs, ys)
-                              if x.dtype == dt and x.numel()] or [0.0])
-                for dt in (torch.float32, torch.float64, torch.bfloat16)}
-
     fp32 = [k for k, g in enumerate(grads) if g.dtype == torch.float32]
     z = torch.cat([((op[k].double() - grads[k].double()) / 0.5).flatten() for k in fp32]).cpu().numpy()
     z2 = torch.cat([((other[k].double() - grads[k].double()) / 0.5).flatten() for k in fp32]).cpu().numpy()
     return {
         "layouts_kept": all(o.stride() == torch.empty_like(g).stride() and o.shape == g.shape for g, o in zip(grads, op)),
         "inputs_untouched": all(torch.equal(g, b) for g, b in zip(grads, before)),
-        "op_vs_reference": gap(op, refs), "per_tensor_vs_reference": gap(outs, refs),
-        "cast_vs_reference": gap(cast, cast_refs),
+        "op_vs_reference": _gaps(op, refs), "per_tensor_vs_reference": _gaps(outs, refs),
+        "cast_vs_reference": _gaps(cast, cast_refs),
         "cast_layouts_kept": all(c.dtype == torch.float32 and c.stride() == torch.empty_like(g).stride()
                                  for g, c in zip(low, cast)),
         "n": int(z.size), "mean": float(z.mean()), "mean_sq": float((z ** 2).mean()),

@@ -173,10 +173,18 @@ def test_cuda_randn_kernel_draws_standard_normals():
 
 def test_cuda_add_randn_adds_the_flat_draw():
     """dpcompile::add_randn compiled for the GPU (the noise of every CUDA step): one launch through the address
-    table and the per-tensor launches of a CUDA graph capture, against the flat draw, every layout and dtype."""
+    table and the per-tensor launches, against the flat draw, every layout and dtype."""
     import noise_kernel_check
 
     noise_kernel_check.assert_adds_flat_draw(noise_kernel_check.add_randn_cases("cuda"))
+
+
+def test_cuda_graph_add_randn_captures_its_table():
+    """dpcompile::add_randn in a CUDA graph (cudagraphs=True steps): one table kernel per pair of dtypes, whose
+    table's copy replays with the graph, and every replay adds its seed's draw to that replay's gradients."""
+    import noise_kernel_check
+
+    noise_kernel_check.assert_graph_replays(noise_kernel_check.graph_replays("cuda"))
 
 
 def test_cuda_normals_reach_the_gaussian_tails():

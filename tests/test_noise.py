@@ -220,7 +220,7 @@ def test_autocast_gradients_take_the_cast_into_the_op(monkeypatch):
 
 
 def test_cuda_graph_steps_add_the_ops_values(monkeypatch):
-    """Steps replayed as CUDA graphs draw through the same op (one launch per tensor while a graph is captured),
+    """Steps replayed as CUDA graphs draw through the same op (its address table's copy captured in the graph),
     so a step gives the same gradients with and without graphs (on CPU, where there are no graphs, the option
     still goes through the pass)."""
     op, op_backend = _autocast_llama_grads(3, 11, noise_multiplier=1.1)

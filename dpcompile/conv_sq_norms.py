@@ -109,14 +109,55 @@ def _(e, x, weight_shape, stride, padding, dilation, groups, rows):
                        dtype=torch.float32)
 
 
-def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows):
+_LIB.define("conv_weight_grads(Tensor e, Tensor x, int[] weight_shape, int[] stride, int[] padding, "
+            "int[] dilation, int groups, int rows) -> (Tensor, Tensor)")
+
+
+def conv_weight_grads(e: torch.Tensor, x: torch.Tensor, weight_shape: list[int], stride: list[int],
+                      padding: list[int], dilation: list[int], groups: int, rows: int):
+    """conv_weight_sq_norms's partial sums, and the per-sample weight gradients they are the squares of:
+    [B, Cout, K * Cin/groups] (grads_dtype), each row's columns in the kernel's order, kernel position outer and
+    input channel inner (``weight_order`` maps them to the weight's [Cout, Cin/groups, *kernel]). Where bk
+    defers a convolution's weight gradient until the clip coefficients exist, the kept gradients make it:
+    sum_b r_b grads[b], one small reduction, not a second weight-gradient convolution over every position."""
+    if e.device.type == "cuda" and grads_dtype(e.dtype, x.dtype) == torch.float32:
+        return launch(e, x, weight_shape, stride, padding, dilation, groups, rows, keep=True)
+    return _aten(e, x, weight_shape, stride, padding, dilation, groups, rows, keep=True)
+
+
+_LIB.impl("conv_weight_grads", conv_weight_grads, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dpcompile::conv_weight_grads", lib=_LIB)
+def _(e, x, weight_shape, stride, padding, dilation, groups, rows):
+    B = e.shape[0] // rows
+    return (e.new_empty([B, parts(weight_shape, groups, kernel_dtype(e.dtype, x.dtype))], dtype=torch.float32),
+            e.new_empty([B, weight_shape[0], math.prod(weight_shape[1:])], dtype=grads_dtype(e.dtype, x.dtype)))
+
+
+def grads_dtype(e_dtype: torch.dtype, x_dtype: torch.dtype) -> torch.dtype:
+    """The kept gradients' dtype: fp32, the kernel's accumulator (fp64 operands take the aten path: fp64)."""
+    return torch.promote_types(torch.promote_types(e_dtype, x_dtype), torch.float32)
+
+
+def weight_order(weight_shape: list[int]) -> tuple[list[int], list[int]]:
+    """(shape, permutation): a kept gradient's row [Cout * K * Cin/groups] viewed as ``shape`` and permuted by
+    ``permutation`` is the weight's [Cout, Cin/groups, *kernel]."""
+    kernel = list(weight_shape[2:])
+    nk = len(kernel)
+    return [weight_shape[0], *kernel, weight_shape[1]], [0, nk + 1, *range(1, nk + 1)]
+
+
+def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows, keep: bool = False):
     """The same contraction with aten ops: unfold, one bmm per block of samples; each sample's squared norm in
-    the first part (the others zero)."""
+    the first part (the others zero); keep: and the gradients, as conv_weight_grads returns them."""
     B = e.shape[0] // rows
     out = torch.zeros(B, parts(weight_shape, groups, kernel_dtype(e.dtype, x.dtype)), dtype=torch.float32,
                       device=e.device)
+    grads = torch.empty(B, weight_shape[0], math.prod(weight_shape[1:]), dtype=grads_dtype(e.dtype, x.dtype),
+                        device=e.device) if keep else None
     if B == 0:
-        return out
+        return (out, grads) if keep else out
     kernel, st, pad, dil = _geometry(weight_shape, stride, padding, dilation)
     acc = torch.promote_types(torch.promote_types(e.dtype, x.dtype), torch.float32)
     e4, x4 = _as_2d(e).to(acc), _as_2d(x).to(acc)
@@ -133,15 +174,19 @@ def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows):
         g = eb.reshape(n, rows, groups, cout_g, P).permute(0, 2, 3, 1, 4).reshape(n * groups, cout_g, rows * P)
         dw = torch.bmm(g, u.transpose(1, 2))  # [samples * groups, Cout/g, Cin/g * K]
         out[lo:hi, 0] = dw.square().view(n, -1).sum(1).to(torch.float32)
-    return out
+        if keep:  # unfold's columns are (input channel, kernel position): the kernel position outer
+            grads[lo:hi] = dw.view(n, cout, cin_g, K).transpose(2, 3).reshape(n, cout, K * cin_g)
+    return (out, grads) if keep else out
 
 
 _PLANS: dict = {}  # launch() arguments per call signature (kernel_plans.cached_plan)
 
 
-def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: dict | None = None):
+def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: dict | None = None,
+           keep: bool = False):
     """Runs the Triton kernel (on CPU tensors too under TRITON_INTERPRET=1). config: BLOCK_M, BLOCK_N, BLOCK_P,
-    num_warps, num_stages to try others (benchmarks/conv_norm_kernel.py); its parts then differ."""
+    num_warps, num_stages to try others (benchmarks/conv_norm_kernel.py); its parts then differ. keep: the
+    gradients too (conv_weight_grads)."""
     dtype = kernel_dtype(e.dtype, x.dtype)
     if e.dtype != dtype:
         e = e.to(dtype)
@@ -150,18 +195,22 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
     e4, x4 = _as_2d(e), _as_2d(x)
     tf32 = dtype == torch.float32 and e.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     key = (e4.shape, e4.stride(), x4.shape, x4.stride(), dtype, tf32, tuple(weight_shape), tuple(stride),
-           tuple(padding), tuple(dilation), groups, rows, tuple(sorted(config.items())) if config else None)
+           tuple(padding), tuple(dilation), groups, rows, tuple(sorted(config.items())) if config else None, keep)
     B, n_parts, grid, args, consts = cached_plan(
-        _PLANS, key, lambda: _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config))
+        _PLANS, key, lambda: _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config,
+                                   keep))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=e.device)
+    grads = torch.empty(B, weight_shape[0], math.prod(weight_shape[1:]), dtype=torch.float32,
+                        device=e.device) if keep else None
     if B:
         from dpcompile import triton_kernels
 
-        kernel_plans.launch(triton_kernels.conv_weight_sq_norms_kernel, grid, (e4, x4, out, *args), consts)
-    return out
+        kernel_plans.launch(triton_kernels.conv_weight_sq_norms_kernel, grid,
+                            (e4, x4, out, out if grads is None else grads, *args), consts)
+    return (out, grads) if keep else out
 
 
-def _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config):
+def _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config, keep=False):
     """(B, parts, grid, the kernel's other positional arguments, its keyword ones) for one call signature."""
     B = e4.shape[0] // rows
     kernel, st, pad, dil = _geometry(weight_shape, stride, padding, dilation)
@@ -174,5 +223,5 @@ def _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, 
     args = (*e4.stride(), *x4.stride(), rows, cout_g, cin_g, e4.shape[2], e4.shape[3], x4.shape[2], x4.shape[3],
             groups, n_parts, n_pos)
     consts = dict(KH=kernel[0], KW=kernel[1], SH=st[0], SW=st[1], PH=pad[0], PW=pad[1], DH=dil[0], DW=dil[1],
-                  PRECISION=precision, **cfg)
+                  PRECISION=precision, KEEP=keep, **cfg)
     return B, n_parts, (B * n_parts,), args, consts

@@ -36,6 +36,7 @@ def _impls() -> dict:
     return {
         ops.gram_sq_norms.default: gram_sq_norms.gram_sq_norms,
         ops.conv_weight_sq_norms.default: conv_sq_norms.conv_weight_sq_norms,
+        ops.conv_weight_grads.default: conv_sq_norms.conv_weight_grads,
         ops.add_randn.default: add_randn.add_randn,
         ops.randn.default: randn.randn,
         ops.zero_rows_.default: zero_rows.zero_rows_,

@@ -8,13 +8,14 @@ import triton.language as tl
 
 @triton.jit
 def conv_weight_sq_norms_kernel(
-        e_ptr, x_ptr, out_ptr,
+        e_ptr, x_ptr, out_ptr, grads_ptr,
         se_b, se_c, se_h, se_w, sx_b, sx_c, sx_h, sx_w,
         ROWS: tl.constexpr, COUT_G: tl.constexpr, CIN_G: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
         H: tl.constexpr, W: tl.constexpr, GROUPS: tl.constexpr, PARTS: tl.constexpr, N_POS: tl.constexpr,
         KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
         PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+        KEEP: tl.constexpr = False):
     # The geometry is constexpr (a kernel per layer shape): the index arithmetic of every step divides by
     # constants. One program per (sample and group, tile), a sample's tiles adjacent: they run at about
     # the same time and read the same rows of e and x, so those come from L2 once per sample, not once
@@ -70,6 +71,10 @@ def conv_weight_sq_norms_kernel(
         acc = tl.dot(e_tile, x_tile, acc, input_precision=PRECISION)
     part = (g * tiles_m + pid_m) * tiles_n + pid_n
     tl.store(out_ptr + b * PARTS + part, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
+    if KEEP:  # the tile itself too: grads [B, GROUPS * COUT_G, n_cols] fp32, columns in this kernel's order
+        rows_out = (b * GROUPS + g) * COUT_G + offs_m
+        tl.store(grads_ptr + rows_out.to(tl.int64)[:, None] * n_cols + offs_n[None, :], acc,
+                 mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit

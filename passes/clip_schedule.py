@@ -176,17 +176,29 @@ def scaled_contribution(b: GraphBuilder, c: Contribution, r: fx.Node | None, B: 
     return b.call(node.target, *args, **fx.node.map_arg(dict(node.kwargs), arg_of))
 
 
-SUM_FROM_ROWS = "the per-sample sums (the norm pass's [B, n] rows)"  # the summary's "bk_scaled" for such a sum
+# the summary's "bk_scaled" for a gradient made from kept per-sample rows
+SUM_FROM_ROWS = "the per-sample sums (the norm pass's [B, n] rows)"
+CONV_FROM_ROWS = "the per-sample gradients the conv norm kernel kept (conv_weight_grads)"
 
 
-def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, widths: list[int], r: fx.Node,
-                   keep: fx.Node | None, clipped: dict) -> fx.Node:
-    """A summed parameter's clipped gradient (a bias, a norm weight) from the per-sample sums the norm pass
-    stacked in rows ([B, N] fp32, columns of widths[i] for the i-th such parameter; c's are at ``index``):
-    sum_b r_b * rows[b], each sample's own sum over its positions being exact, instead of a second pass over
-    the [B, T, C] operand (a ViT-S/16 block's eight such parameters read about 120 MB again). One reduction
-    over all of rows, split once into every parameter's part; a dropped sample's row (inf or NaN) is zeroed,
-    not scaled."""
+def _gradient_of(c: Contribution) -> fx.Node:
+    """The node whose value is c's gradient: c's node, or for a convolution_backward (a tuple) its weight
+    gradient's getitem."""
+    if c.kind != "conv":
+        return c.node
+    (item,) = [u for u in c.node.users if u.target is operator.getitem and u.args[1] == 1]
+    return item
+
+
+def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, widths: list[int], arrange,
+                   r: fx.Node, keep: fx.Node | None, clipped: dict) -> fx.Node:
+    """A parameter's clipped gradient from the per-sample gradients the norm pass kept as rows ([B, N], columns
+    of widths[i] for the i-th such gradient; c's are at ``index``): sum_b r_b * rows[b]. Rows are a summed
+    parameter's (a bias, a norm weight: each sample's own sum over its positions, exact), instead of a second
+    pass over the [B, T, C] operand (a ViT-S/16 block's eight such parameters read about 120 MB again), or a
+    convolution weight's, instead of a second weight-gradient convolution. One reduction over all of rows,
+    split once into every parameter's part; a dropped sample's row (inf or NaN) is zeroed, not scaled.
+    ``arrange``: None, or the (shape, permutation) from a row's order to the gradient's."""
     if rows not in clipped:
         B = rows.meta["val"].shape[0]
         scaled = b.call(aten.mul.Tensor, rows, b.view(r, [B, 1]))
@@ -199,9 +211,14 @@ def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, 
         parts = b.call(aten.split_with_sizes.default, total, widths) if len(widths) > 1 else None
         clipped[rows] = (total, parts)
     total, parts = clipped[rows]
-    want = c.node.meta["val"]
+    want = _gradient_of(c).meta["val"]
     part = total if parts is None else b.call(operator.getitem, parts, index)
-    if want.dim() != 1:  # (a 1-D gradient, most of them, is the part itself: no node to trace)
+    if arrange is not None:
+        shape, perm = arrange
+        part = b.permute(b.view(part, shape), perm)
+        if tuple(part.meta["val"].stride()) != tuple(want.stride()):  # (a channels-last weight's: none needed)
+            part = b.call(aten.clone.default, part, memory_format=torch.contiguous_format)
+    elif want.dim() != 1:  # (a 1-D gradient, most of them, is the part itself: no node to trace)
         part = b.reshape(part, list(want.shape))
     return part if want.dtype == torch.float32 else b.call(torch.ops.prims.convert_element_type.default, part,
                                                            want.dtype)
@@ -308,9 +325,9 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
             b.meta_source = c.node
             if c in ctx.sample_rows:
                 new = _sum_from_rows(b, c, *ctx.sample_rows[c], r, keep, clipped_rows)
-                scaled_side[c] = SUM_FROM_ROWS
-                c.node.replace_all_uses_with(new)
-                ctx.counters["bk_sums_from_rows"] += 1
+                scaled_side[c] = CONV_FROM_ROWS if c.kind == "conv" else SUM_FROM_ROWS
+                _gradient_of(c).replace_all_uses_with(new)
+                ctx.counters["bk_conv_grads_from_rows" if c.kind == "conv" else "bk_sums_from_rows"] += 1
                 continue
             at = _scaled_position(c, _operand_positions(c))
             scaled_side[c] = _describe_scaled(c, at)

@@ -76,9 +76,11 @@ class DPPassContext:
     clip_coef: fx.Node | None = None
     keep_rows: fx.Node | None = None  # bool, shape of r: the sample's gradient is finite (else it is dropped)
     per_sample_norms: fx.Node | None = None
-    # per-sample gradients of summed parameters stacked in one [B, N] fp32 buffer (per_sample_norms):
-    # contribution -> (that buffer, the index of its columns among the stacked gradients', their widths)
-    sample_rows: dict[Any, tuple[fx.Node, int, list[int]]] = dataclasses.field(default_factory=dict)
+    # per-sample gradients the norm pass keeps as [B, N] rows (per_sample_norms): summed parameters' stacked in
+    # one fp32 buffer, a convolution weight's from its norm kernel (conv_weight_grads). contribution -> (that
+    # buffer, the index of its columns among the buffer's gradients', their widths, and None or (shape,
+    # permutation) that turns a row into the gradient's shape: conv_sq_norms.weight_order)
+    sample_rows: dict[Any, tuple[fx.Node, int, list[int], Any]] = dataclasses.field(default_factory=dict)
     contributions: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     analysis: Any = None
     backward_nodes: list[fx.Node] = dataclasses.field(default_factory=list)  # original backward, in order

@@ -197,6 +197,36 @@ def fused(geo: ConvGeometry) -> bool:
                                     geo.transposed, geo.groups))
 
 
+KEEP_WHY = "they hold no more than the deferred operands they replace, and no weight-gradient convolution runs again"
+
+
+def keeps_grads(geo: ConvGeometry) -> bool:
+    """Whether bk keeps the fused kernel's per-sample gradients (conv_weight_grads) and makes the clipped weight
+    gradient from them: where a sample's fp32 gradient takes no more bytes than its output gradient and input,
+    which bk would hold until the clip coefficients exist to run the weight-gradient convolution again (a WRN's
+    32x32 3x3 layers: 576 input columns against 1024 positions). That convolution reads both over every
+    position; the kept gradients are written once and summed once, so they are also the faster form. Not for
+    fp64 operands on a GPU, whose kernel accumulates in fp32."""
+    e, d = geo.e.meta["val"], geo.d.meta["val"]
+    if not fused(geo) or (e.device.type != "cpu" and torch.float64 in (e.dtype, d.dtype)):
+        return False
+    # a row's; a sample's: times its rows
+    held = math.prod(e.shape[1:]) * e.element_size() + math.prod(d.shape[1:]) * d.element_size()
+    try:
+        return math.prod(geo.weight_shape) * 4 <= int(held) * geo.lay.inner
+    except TypeError:  # a size symbolic beyond the batch
+        return False
+
+
+def fused_sq_and_grads(b: GraphBuilder, geo: ConvGeometry) -> tuple[fx.Node, fx.Node]:
+    """([B] squared norms, [B, Cout, K * Cin/groups] per-sample gradients in the kernel's column order) from one
+    conv_weight_grads launch (keeps_grads(geo))."""
+    both = b.call(torch.ops.dpcompile.conv_weight_grads.default, geo.e, geo.d, list(geo.weight_shape),
+                  list(geo.stride), list(geo.padding), list(geo.dilation), geo.groups, geo.lay.inner)
+    partial, grads = b.call(operator.getitem, both, 0), b.call(operator.getitem, both, 1)
+    return b.call(aten.sum.dim_IntList, partial, [1]), grads
+
+
 def fused_sq(b: GraphBuilder, geo: ConvGeometry) -> fx.Node:
     """[B] squared norms of the per-sample weight gradients from the kernel's partial sums (fused(geo))."""
     partial = b.call(torch.ops.dpcompile.conv_weight_sq_norms.default, geo.e, geo.d, list(geo.weight_shape),

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile import conv_sq_norms
 from dpcompile import gram_sq_norms as _gram_op  # noqa: F401  (defines dpcompile::gram_sq_norms)
 from dpcompile.fx_utils import GraphBuilder, known
 
@@ -80,7 +81,13 @@ def _kernel_partials(sq: fx.Node) -> fx.Node | None:
         return None
     partial = sq.args[0]
     kernels = (torch.ops.dpcompile.gram_sq_norms.default, torch.ops.dpcompile.conv_weight_sq_norms.default)
-    if isinstance(partial, fx.Node) and partial.target in kernels and len(partial.users) == 1:
+    if not isinstance(partial, fx.Node) or len(partial.users) != 1:
+        return None
+    if partial.target in kernels:
+        return partial
+    # conv_weight_grads's first output (its second, the gradients, the clipped sum reads)
+    if partial.target is operator.getitem and partial.args[1] == 0 and \
+            partial.args[0].target is torch.ops.dpcompile.conv_weight_grads.default:
         return partial
     return None
 
@@ -245,6 +252,13 @@ class NormBuilder:
         grams = self.ctx.counters["gram_norm_kernels"]
         if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
             self.ctx.counters["conv_norm_kernels"] += 1
+            if self.ctx.options.schedule == "bk" and conv_norms.keeps_grads(geo):
+                sq, grads = conv_norms.fused_sq_and_grads(b, geo)
+                n = math.prod(geo.weight_shape)
+                self.ctx.sample_rows[c] = (b.view(grads, [B, n]), 0, [n], conv_sq_norms.weight_order(geo.weight_shape))
+                self.ctx.counters["conv_grads_kept"] += 1
+                return sq, algo, why + "; in one kernel that keeps the per-sample gradients for the clipped sum " \
+                    "(dpcompile::conv_weight_grads: " + conv_norms.KEEP_WHY + ")"
             return conv_norms.fused_sq(b, geo), algo, why + "; in one kernel (dpcompile::conv_weight_sq_norms)"
         # Blocks keep the unfolded operand and the form's fp32 intermediate ([B, *weight] gradients, or two
         # [B, S, S] Gram matrices; input_gram: its two Grams, no unfold) within the block size. With a static
@@ -768,7 +782,7 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             per_param.append(b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, rows, rows), [1]))
         widths = [row.meta["val"].shape[1] for row in stacked_rows]
         for i, c in enumerate(stacked_of):  # the clipped sums read them (clip_schedule)
-            ctx.sample_rows[c] = (rows, i, widths)
+            ctx.sample_rows[c] = (rows, i, widths, None)
     with graph.inserting_before(out):
         b.meta_source = None
         for lo in range(0, len(kernel_partials), PARTIALS_PER_SUM):

@@ -28,20 +28,28 @@ CASES = [
 ]
 
 
-def reference(e, x, weight_shape, stride, padding, dilation, groups, rows):
-    """Each sample's ||dW||^2 from autograd in fp64."""
+def reference_grads(e, x, weight_shape, stride, padding, dilation, groups, rows):
+    """Each sample's weight gradient from autograd in fp64: [B, *weight_shape]."""
     conv = F.conv2d if len(weight_shape) == 4 else F.conv1d
     out = []
     for b in range(e.shape[0] // rows):
         w = torch.zeros(weight_shape, dtype=torch.float64, device=e.device, requires_grad=True)
         y = conv(x[b * rows:(b + 1) * rows].double(), w, None, stride, padding, dilation, groups)
-        (g,) = torch.autograd.grad(y, w, e[b * rows:(b + 1) * rows].double())
-        out.append(g.square().sum())
+        out.append(torch.autograd.grad(y, w, e[b * rows:(b + 1) * rows].double())[0])
     return torch.stack(out)
 
 
-def errors(fn, device: str, dtypes, channels_last: bool = False) -> dict[str, float]:
-    """Largest relative error of fn's squared norms (summed over its parts) per case and dtype."""
+def reference(e, x, weight_shape, stride, padding, dilation, groups, rows):
+    """Each sample's ||dW||^2 from autograd in fp64."""
+    return reference_grads(e, x, weight_shape, stride, padding, dilation, groups, rows).flatten(1).square().sum(1)
+
+
+def errors(fn, device: str, dtypes, channels_last: bool = False, keep: bool = False) -> dict[str, float]:
+    """Largest relative error of fn's squared norms (summed over its parts) per case and dtype; keep: fn returns
+    (partial sums, kept gradients) as conv_weight_grads does, and the gradients' largest error relative to
+    their largest entry counts too (key suffix ``:grads``)."""
+    from dpcompile import conv_sq_norms
+
     torch.manual_seed(0)
     worst = {}
     for i, (B, rows, cin, cout, size, k, st, pad, dil, g) in enumerate(CASES):
@@ -54,9 +62,16 @@ def errors(fn, device: str, dtypes, channels_last: bool = False) -> dict[str, fl
             if channels_last and len(k) == 2:
                 ed, xd = ed.contiguous(memory_format=torch.channels_last), xd.contiguous(memory_format=torch.channels_last)
             # the reference of the rounded operands: what is left is the kernel's own error
-            ref = reference(ed, xd, w_shape, st, pad, dil, g, rows)
-            got = fn(ed, xd, w_shape, list(st), list(pad), list(dil), g, rows).sum(1).double()
-            worst[f"{i}:{str(dt).split('.')[-1]}"] = float(((got - ref).abs() / ref).max())
+            ref_grads = reference_grads(ed, xd, w_shape, st, pad, dil, g, rows)
+            ref = ref_grads.flatten(1).square().sum(1)
+            out = fn(ed, xd, w_shape, list(st), list(pad), list(dil), g, rows)
+            got = (out[0] if keep else out).sum(1).double()
+            key = f"{i}:{str(dt).split('.')[-1]}"
+            worst[key] = float(((got - ref).abs() / ref).max())
+            if keep:  # each row in the kernel's column order, arranged as the weight
+                shape, perm = conv_sq_norms.weight_order(w_shape)
+                kept = out[1].view(out[1].shape[0], *shape).permute(0, *[p + 1 for p in perm]).double()
+                worst[key + ":grads"] = float((kept - ref_grads).abs().max() / ref_grads.abs().max())
     return worst
 
 
@@ -64,5 +79,7 @@ if __name__ == "__main__":
     from dpcompile import conv_sq_norms
 
     report = {"fp": errors(conv_sq_norms.launch, "cpu", [torch.float32, torch.float16]),
-              "channels_last": errors(conv_sq_norms.launch, "cpu", [torch.float32], channels_last=True)}
+              "channels_last": errors(conv_sq_norms.launch, "cpu", [torch.float32], channels_last=True),
+              "keep": errors(lambda *a: conv_sq_norms.launch(*a, keep=True), "cpu", [torch.float32],
+                             channels_last=True, keep=True)}
     json.dump(report, sys.stdout)

@@ -17,12 +17,24 @@ def test_triton_kernel_matches_autograd_per_sample_gradients_interpreted():
     for key, err in report["fp"].items():
         assert err < (1e-5 if key.endswith("float32") else 2e-3), (key, err)  # fp16 products, fp32 sums
     assert max(report["channels_last"].values()) < 1e-5, report
+    # the kept per-sample gradients (conv_weight_grads), in the kernel's column order
+    assert len(report["keep"]) == 2 * len(conv_kernel_check.CASES) and max(report["keep"].values()) < 1e-5, report
 
 
 def test_aten_path_matches_autograd_per_sample_gradients():
     # the squared norms come out in fp32 (as every per-sample norm does): fp64 operands are exact to its rounding
     worst = conv_kernel_check.errors(conv_sq_norms._aten, "cpu", [torch.float64, torch.float32])
     assert all(err < (2e-7 if key.endswith("float64") else 1e-5) for key, err in worst.items()), worst
+
+
+def test_aten_path_keeps_the_gradients_in_the_kernels_order(monkeypatch):
+    """conv_weight_grads on CPU: the kept gradients in fp64 for fp64 operands (exact), in blocks of samples too."""
+    keep = lambda *a: conv_sq_norms._aten(*a, keep=True)  # noqa: E731
+    worst = conv_kernel_check.errors(keep, "cpu", [torch.float64, torch.float32], keep=True)
+    assert len(worst) == 4 * len(conv_kernel_check.CASES), worst
+    assert all(err < (2e-7 if "float64" in key else 1e-5) for key, err in worst.items()), worst
+    monkeypatch.setattr(conv_sq_norms, "CPU_BLOCK_BYTES", 1)  # one sample at a time
+    assert max(conv_kernel_check.errors(keep, "cpu", [torch.float64], keep=True).values()) < 2e-7
 
 
 def test_aten_path_in_blocks_of_samples(monkeypatch):

@@ -113,7 +113,7 @@ def test_sharded_matches_single_process_reference(case, schedule, form, sharded_
         assert r["dp_graphs"] == 1, r  # one graph for every batch size, the same on every rank
         assert r["batch_size"].startswith("u"), r  # unbacked: no 0/1 specialisation
         assert r["clipped"] > 0 and r["unclipped"] > 0, r
-        check_case_invariants(case, r["counters"], {"frozen": r["frozen"]})
+        check_case_invariants(case, r["counters"], {"frozen": r["frozen"], "schedule": {"requested": schedule}})
         assert (r["padded"] > 0) == ("+pad" in form), r
         assert r["compiler"] == ("eager" if "+eager" in form else "inductor"), r
         assert (r["recomputed"] > 0) == ("+recompute" in form), r

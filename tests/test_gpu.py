@@ -224,6 +224,11 @@ def test_cuda_conv_norm_kernel_matches_autograd_per_sample_gradients():
         worst = conv_kernel_check.errors(conv_sq_norms.launch, "cuda", [torch.bfloat16, torch.float16, torch.float32],
                                          channels_last=channels_last)
         assert len(worst) == 3 * len(conv_kernel_check.CASES) and max(worst.values()) < 1e-4, worst
+        # with the per-sample gradients kept (conv_weight_grads)
+        keep = lambda *a: conv_sq_norms.launch(*a, keep=True)  # noqa: E731
+        worst = conv_kernel_check.errors(keep, "cuda", [torch.bfloat16, torch.float32], channels_last=channels_last,
+                                         keep=True)
+        assert len(worst) == 4 * len(conv_kernel_check.CASES) and max(worst.values()) < 1e-4, worst
 
 
 def test_cuda_gram_norm_kernel_matches_per_sample_gradient_norms():

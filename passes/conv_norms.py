@@ -212,10 +212,8 @@ def keeps_grads(geo: ConvGeometry) -> bool:
         return False
     # a row's; a sample's: times its rows
     held = math.prod(e.shape[1:]) * e.element_size() + math.prod(d.shape[1:]) * d.element_size()
-    try:
-        return math.prod(geo.weight_shape) * 4 <= int(held) * geo.lay.inner
-    except TypeError:  # a size symbolic beyond the batch
-        return False
+    # (a size symbolic beyond the batch: not kept, rather than a guard on it)
+    return isinstance(held, int) and math.prod(geo.weight_shape) * 4 <= held * geo.lay.inner
 
 
 def fused_sq_and_grads(b: GraphBuilder, geo: ConvGeometry) -> tuple[fx.Node, fx.Node]:

@@ -384,8 +384,10 @@ def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
         step()
         torch.cuda.synchronize()
     kernels: dict[str, list] = {}
-    spans = []
+    spans, host = [], []
     for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            host.append((e.time_range.start, e.time_range.end, e.name))
         if e.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels.setdefault(e.name, [0, 0.0])
             k[0] += 1
@@ -397,7 +399,7 @@ def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:  # one file per rank: ranks wait for each other in their collectives, differently
         stem += f"_rank{os.environ.get('RANK', 0)}"
-    line = gpu_timeline(spans)
+    line = gpu_timeline(spans, cpu=host)
     path = os.path.join(spec["kernel_profile"], stem + ".json")
     with open(path, "w") as f:
         json.dump({"gpu_ms": round(total, 3), "launches": sum(r[1] for r in rows), "timeline": line,
@@ -409,13 +411,18 @@ def kernel_profile(spec: dict, step, device, top: int = 60) -> str | None:
     return path
 
 
-def gpu_timeline(spans: list, gaps: int = 12) -> dict:
+def gpu_timeline(spans: list, gaps: int = 12, cpu: list | None = None) -> dict:
     """Where a profiled step's GPU time went, from its kernels' (start us, end us, name): the span from the
     first kernel's start to the last one's end; the time some compute kernel runs (collectives' kernels,
     named nccl*, run beside compute on their own stream); the idle rest of the span, and the part of it in
     which only collectives run (communication the compute waits for, not overlapped); and the longest
     gaps between compute kernels, each with the compute kernels on either side (a gap is host time or a
-    wait for a collective). A kernel sum alone cannot tell a GPU-bound step from one that waits."""
+    wait for a collective). A kernel sum alone cannot tell a GPU-bound step from one that waits.
+
+    cpu: the host's profiled ops and ranges, (start us, end us, name) on the kernels' clock. Then each gap
+    also names what the host was running at its middle (the innermost three ranges there, shortest first:
+    the host work the GPU waited for), and ``host_lead_ms`` is the host's time from its first range to the
+    first kernel (a step's start, which the GPU spends idle)."""
     def merged(ivs):
         out = []
         for a, b in sorted(ivs):
@@ -442,13 +449,18 @@ def gpu_timeline(spans: list, gaps: int = 12) -> dict:
     found, last_end, last_name = [], None, None
     for a, b, n in compute:
         if last_end is not None and a > last_end:
-            found.append((a - last_end, last_name, n))
+            found.append((a - last_end, last_name, n, (a + last_end) / 2))
         if last_end is None or b >= last_end:
             last_end, last_name = b, n
     found.sort(key=lambda g: -g[0])
-    return {"span_ms": round((end - start) / 1e3, 3), "compute_ms": round(compute_us / 1e3, 3),
-            "idle_ms": round((end - start - compute_us) / 1e3, 3), "collectives_only_ms": round(only_comm / 1e3, 3),
-            "gaps": [[round(us / 1e3, 3), before[:90], after[:90]] for us, before, after in found[:gaps]]}
+    out = {"span_ms": round((end - start) / 1e3, 3), "compute_ms": round(compute_us / 1e3, 3),
+           "idle_ms": round((end - start - compute_us) / 1e3, 3), "collectives_only_ms": round(only_comm / 1e3, 3),
+           "gaps": [[round(us / 1e3, 3), before[:90], after[:90]] for us, before, after, *_ in found[:gaps]]}
+    if cpu:
+        for row, (us, _, _, mid) in zip(out["gaps"], found[:gaps]):
+            row.append([n[:60] for a, b, n in sorted(cpu, key=lambda e: e[1] - e[0]) if a <= mid <= b][:3])
+        out["host_lead_ms"] = round(max(0.0, start - min(a for a, _, _ in cpu)) / 1e3, 3)
+    return out
 
 
 def host_profile(folder: str, stem: str, step, sync, steps: int = 5, top: int = 45) -> str:

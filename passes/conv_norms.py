@@ -201,19 +201,21 @@ KEEP_WHY = "they hold no more than the deferred operands they replace, and no we
 
 
 def keeps_grads(geo: ConvGeometry) -> bool:
-    """Whether bk keeps the fused kernel's per-sample gradients (conv_weight_grads) and makes the clipped weight
-    gradient from them: where a sample's fp32 gradient takes no more bytes than its output gradient and input,
-    which bk would hold until the clip coefficients exist to run the weight-gradient convolution again (a WRN's
-    32x32 3x3 layers: 576 input columns against 1024 positions). That convolution reads both over every
-    position; the kept gradients are written once and summed once, so they are also the faster form. Not for
-    fp64 operands on a GPU, whose kernel accumulates in fp32."""
+    """Whether bk keeps the direct form's per-sample gradients (the fused kernel's, conv_weight_grads; or the
+    batched contraction's) and makes the clipped weight gradient from them: where a sample's fp32 gradient takes
+    no more bytes than its output gradient and input, which bk would hold until the clip coefficients exist to
+    run the weight-gradient convolution again (a WRN's 32x32 3x3 layers: 576 input columns against 1024
+    positions; a depthwise convolution's few weights against its whole map). That convolution reads both over
+    every position; the kept gradients are written once and summed once, so they are also the faster form. Not
+    for fp64 operands: the direct form accumulates in fp32, the convolution it replaces in fp64."""
     e, d = geo.e.meta["val"], geo.d.meta["val"]
-    if not fused(geo) or (e.device.type != "cpu" and torch.float64 in (e.dtype, d.dtype)):
+    outer = 1 if known(geo.lay.outer == 1) else geo.lay.outer  # (an unbacked batch's rows: 1 as a symbol)
+    rows = outer * geo.lay.inner  # rows per sample
+    if torch.float64 in (e.dtype, d.dtype) or not isinstance(rows, int):
         return False
-    # a row's; a sample's: times its rows
-    held = math.prod(e.shape[1:]) * e.element_size() + math.prod(d.shape[1:]) * d.element_size()
+    held = math.prod(e.shape[1:]) * e.element_size() + math.prod(d.shape[1:]) * d.element_size()  # a row's
     # (a size symbolic beyond the batch: not kept, rather than a guard on it)
-    return isinstance(held, int) and math.prod(geo.weight_shape) * 4 <= held * geo.lay.inner
+    return isinstance(held, int) and math.prod(geo.weight_shape) * 4 <= held * rows
 
 
 def fused_sq_and_grads(b: GraphBuilder, geo: ConvGeometry) -> tuple[fx.Node, fx.Node]:

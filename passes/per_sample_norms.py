@@ -252,7 +252,7 @@ class NormBuilder:
         grams = self.ctx.counters["gram_norm_kernels"]
         if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
             self.ctx.counters["conv_norm_kernels"] += 1
-            if self.ctx.options.schedule == "bk" and conv_norms.keeps_grads(geo):
+            if self.ctx.options.schedule == "bk" and conv_norms.keeps_grads(geo):  # (fused: rows static)
                 sq, grads = conv_norms.fused_sq_and_grads(b, geo)
                 n = math.prod(geo.weight_shape)
                 self.ctx.sample_rows[c] = (b.view(grads, [B, n]), 0, [n], conv_sq_norms.weight_order(geo.weight_shape))
@@ -272,6 +272,15 @@ class NormBuilder:
         if algo == "input_gram" and conv_norms.input_gram_sizes(geo) is not None:
             per_sample["input_gram"] = conv_norms.input_gram_bytes(geo)  # it writes no unfold(D)
         unit = "samples" if by_samples else "groups" if geo.groups > 1 else "channels"
+        if algo == "direct" and self.ctx.options.schedule == "bk" and conv_norms.keeps_grads(geo) and \
+                self._blocks(per_sample["direct"], B if by_samples else conv_norms.block_units(geo)) == 1:
+            # the per-sample gradients in one block: kept for the clipped sum (conv_norms.keeps_grads)
+            grads = conv_norms.per_sample_weight_grads(b, geo, B)
+            n = math.prod(geo.weight_shape)
+            self.ctx.sample_rows[c] = (b.reshape(grads, [B, n]), 0, [n], None)
+            self.ctx.counters["conv_grads_kept"] += 1
+            return b.sq_sum_per_sample(grads), algo, why + "; keeps the per-sample gradients for the clipped " \
+                "sum (" + conv_norms.KEEP_WHY + ")"
         for form in (algo, "direct"):
             if by_samples:
                 sq, k = self._conv_sq_by_samples(geo, form, per_sample.get(form, 0))

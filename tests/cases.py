@@ -310,8 +310,9 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("row_masks_in_place", 0) >= 1, counters
     # every per-sample conv gradient a norm kernel keeps makes its clipped weight gradient (bk only)
     assert counters.get("bk_conv_grads_from_rows", 0) == counters.get("conv_grads_kept", 0), counters
-    if name in ("conv_kinds", "layer_kinds") and summary.get("schedule", {}).get("requested") == "bk":
-        assert counters.get("conv_grads_kept", 0) >= 1, counters  # the frames' Conv1d: 8 rows per sample
+    if name in ("conv_kinds", "layer_kinds", "vision_blocks") and \
+            summary.get("schedule", {}).get("requested") == "bk":  # (e.g. the depthwise, transposed and 1-D ones)
+        assert counters.get("conv_grads_kept", 0) >= 1, counters
     if name in ("einsum_weights", "layer_kinds"):  # both einsums and the weight gradients' bmms, as mms
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls

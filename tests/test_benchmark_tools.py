@@ -21,6 +21,12 @@ def test_gpu_timeline_splits_compute_idle_and_exposed_collectives():
     assert t["gaps"][1] == [0.002, "mm_a", "mm_c"]  # after mm_a's end, not pointwise_b's
     assert len(t["gaps"]) == 2
     assert anchors.gpu_timeline([])["span_ms"] == 0.0
+    # the host's ranges: what it ran in the middle of each gap (innermost first), and its lead before the GPU
+    host = [(-40, 70, "step"), (-40, -5, "guards"), (25, 45, "CompiledFunction"), (30, 40, "cudaGraphLaunch")]
+    t = anchors.gpu_timeline(spans, cpu=host)
+    assert t["gaps"][0] == [0.03, "mm_c", "norm_d", ["cudaGraphLaunch", "CompiledFunction", "step"]]
+    assert t["gaps"][1] == [0.002, "mm_a", "mm_c", ["step"]]
+    assert t["host_lead_ms"] == 0.04
 
 
 def test_unbacked_rows_compile_the_dp_step_with_an_unbacked_batch():

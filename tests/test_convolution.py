@@ -3,6 +3,7 @@ oracle with clipping active, both schedules and both per-sample norm forms; the 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import dpcompile
 import models as M
@@ -163,29 +164,36 @@ def test_large_convolution_norms_are_computed_in_blocks(conv_norm, batch, monkey
 
 class KeptGradients(nn.Module):
     """Layers whose per-sample fp32 weight gradient is no bigger than their output gradient and input over a
-    sample's positions (a: 3x3 over 8x8, g: grouped, seq: a Conv1d over 2 rows per sample), and one whose
-    gradient is (b: strided, 4x4 positions against 288 columns)."""
+    sample's positions: in the norm kernel (a: 3x3 over 8x8, g: grouped, seq: a Conv1d over 2 rows per sample)
+    and in the batched contraction (dw: depthwise, up: transposed); and one whose gradient is bigger (b:
+    strided, 4x4 positions against 288 columns)."""
 
     def __init__(self):
         super().__init__()
         self.a = nn.Conv2d(4, 16, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
         self.g = nn.Conv2d(16, 32, 3, padding=1, groups=2)
         self.b = nn.Conv2d(32, 16, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(16, 16, 2, stride=2)
         self.seq = nn.Conv1d(16, 16, 3, padding=1)
         self.fc = nn.Linear(2 * 16 * 16, 2)
 
     def forward(self, x):
-        h = self.b(torch.tanh(self.g(torch.tanh(self.a(x))))).flatten(2)  # [B, 16, 16]
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.g(torch.tanh(self.dw(h)) + h))  # [B, 32, 8, 8]
+        d = self.b(h)  # [B, 16, 4, 4]
+        h = d.flatten(2) + F.avg_pool2d(self.up(torch.tanh(d)), 2).flatten(2)  # [B, 16, 16]
         rows = torch.stack([torch.tanh(h), h * h], 1).reshape(-1, 16, 16)  # [B * 2, 16, 16]
         return self.fc(self.seq(rows).reshape(x.shape[0], -1))
 
 
 @pytest.mark.parametrize("layout,batch", [("contiguous", "static"), ("channels_last", "unbacked")])
-def test_bk_makes_clipped_conv_gradients_from_the_kernels_kept_gradients(layout, batch):
-    """bk: where the norm kernel's per-sample gradients are no bigger than the operands bk would hold, it keeps
-    them (conv_weight_grads) and the clipped weight gradient is sum_b r_b g_b over them, with no second
-    weight-gradient convolution; exact against the oracle with clipping active, contiguous and channels-last
-    weights, a static and an unbacked batch. Ghost keeps nothing (its memory is the non-private step's)."""
+def test_bk_makes_clipped_conv_gradients_from_kept_per_sample_gradients(layout, batch):
+    """bk: where the direct form's per-sample gradients are no bigger than the operands bk would hold, it keeps
+    them (the norm kernel's through conv_weight_grads, or the batched contraction's) and the clipped weight
+    gradient is sum_b r_b g_b over them, with no second weight-gradient convolution; exact against the oracle
+    with clipping active, contiguous and channels-last weights, a static and an unbacked batch. Ghost keeps
+    nothing (its memory is the non-private step's)."""
     model = KeptGradients()
     x, y = torch.randn(5, 4, 8, 8), torch.randn(5, 2)
     if layout == "channels_last":
@@ -195,16 +203,16 @@ def test_bk_makes_clipped_conv_gradients_from_the_kernels_kept_gradients(layout,
     backend = check_against_reference(model, M.mse, (x,), (y,), schedule="bk", compiler="eager",
                                       conv_norm="direct")
     (rec,) = [r for r in backend.compiled if r.dp]
-    assert rec.counters["conv_grads_kept"] == 3 and rec.counters["bk_conv_grads_from_rows"] == 3, rec.counters
+    assert rec.counters["conv_grads_kept"] == 5 and rec.counters["bk_conv_grads_from_rows"] == 5, rec.counters
     params = rec.summary["params"]
-    for name in ("a.weight", "g.weight", "seq.weight"):
+    for name in ("a.weight", "dw.weight", "g.weight", "up.weight", "seq.weight"):
         assert "keeps the per-sample gradients" in params[name]["why"], params[name]
         assert params[name]["schedule"] == "clipped sum of its per-sample rows", params[name]
     assert "keeps" not in params["b.weight"]["why"] and params["b.weight"]["schedule"] == "deferred (bk)"
     ops = [op for op, _ in rec.ops["backward"]]
     assert ops.count("dpcompile.conv_weight_grads.default") == 3, ops
-    # the input gradients of g, b and seq (x needs none), and one weight gradient: b's, deferred
-    assert ops.count("aten.convolution_backward.default") == 3 + 1, ops
+    # the input gradients of all but a (x needs none), and one weight gradient: b's, deferred
+    assert ops.count("aten.convolution_backward.default") == 5 + 1, ops
     ghost = check_against_reference(KeptGradients(), M.mse, (x,), (y,), schedule="ghost", compiler="eager",
                                     conv_norm="direct")
     (rec,) = [r for r in ghost.compiled if r.dp]

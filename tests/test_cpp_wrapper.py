@@ -33,3 +33,17 @@ def test_cpp_wrapper_needs_inductor():
     with pytest.raises(ValueError, match="cpp_wrapper=True needs compiler='inductor'"):
         compile_step(SeqAndPatches(), M.mse, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
                      cpp_wrapper=True, compiler="eager")
+
+
+def test_cpp_wrapper_calls_the_op_that_keeps_conv_gradients():
+    """bk's kept per-sample conv gradients (dpcompile::conv_weight_grads, an op of two outputs) called from the C++
+    wrapper: exact against the oracle."""
+    from test_convolution import KeptGradients
+
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4, 8, 8), torch.randn(5, 2)
+    out, codes = run_and_get_code(lambda: check_against_reference(KeptGradients(), M.mse, (x,), (y,), schedule="bk",
+                                                                  conv_norm="direct", cpp_wrapper=True))
+    (rec,) = [r for r in out.compiled if r.dp]
+    assert rec.counters["conv_grads_kept"] == 5, rec.counters
+    assert any("conv_weight_grads" in c for c in codes) and all("cpp_wrapper" in c or 'extern "C"' in c for c in codes)

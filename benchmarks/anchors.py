@@ -457,8 +457,9 @@ def gpu_timeline(spans: list, gaps: int = 12, cpu: list | None = None) -> dict:
            "idle_ms": round((end - start - compute_us) / 1e3, 3), "collectives_only_ms": round(only_comm / 1e3, 3),
            "gaps": [[round(us / 1e3, 3), before[:90], after[:90]] for us, before, after, *_ in found[:gaps]]}
     if cpu:
+        innermost_first = sorted(cpu, key=lambda e: e[1] - e[0])
         for row, (us, _, _, mid) in zip(out["gaps"], found[:gaps]):
-            row.append([n[:60] for a, b, n in sorted(cpu, key=lambda e: e[1] - e[0]) if a <= mid <= b][:3])
+            row.append([n[:60] for a, b, n in innermost_first if a <= mid <= b][:3])
         out["host_lead_ms"] = round(max(0.0, start - min(a for a, _, _ in cpu)) / 1e3, 3)
     return out
 

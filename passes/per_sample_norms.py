@@ -252,11 +252,9 @@ class NormBuilder:
         grams = self.ctx.counters["gram_norm_kernels"]
         if algo == "direct" and conv_norms.fused(geo):  # no unfold and no [B, *weight] gradients: no blocks
             self.ctx.counters["conv_norm_kernels"] += 1
-            if self.ctx.options.schedule == "bk" and conv_norms.keeps_grads(geo):  # (fused: rows static)
+            if self._keeps_conv_grads(geo):
                 sq, grads = conv_norms.fused_sq_and_grads(b, geo)
-                n = math.prod(geo.weight_shape)
-                self.ctx.sample_rows[c] = (b.view(grads, [B, n]), 0, [n], conv_sq_norms.weight_order(geo.weight_shape))
-                self.ctx.counters["conv_grads_kept"] += 1
+                self._keep_conv_grads(c, geo, grads, conv_sq_norms.weight_order(geo.weight_shape))
                 return sq, algo, why + "; in one kernel that keeps the per-sample gradients for the clipped sum " \
                     "(dpcompile::conv_weight_grads: " + conv_norms.KEEP_WHY + ")"
             return conv_norms.fused_sq(b, geo), algo, why + "; in one kernel (dpcompile::conv_weight_sq_norms)"
@@ -272,13 +270,11 @@ class NormBuilder:
         if algo == "input_gram" and conv_norms.input_gram_sizes(geo) is not None:
             per_sample["input_gram"] = conv_norms.input_gram_bytes(geo)  # it writes no unfold(D)
         unit = "samples" if by_samples else "groups" if geo.groups > 1 else "channels"
-        if algo == "direct" and self.ctx.options.schedule == "bk" and conv_norms.keeps_grads(geo) and \
+        if algo == "direct" and self._keeps_conv_grads(geo) and \
                 self._blocks(per_sample["direct"], B if by_samples else conv_norms.block_units(geo)) == 1:
-            # the per-sample gradients in one block: kept for the clipped sum (conv_norms.keeps_grads)
+            # the per-sample gradients in one block: kept for the clipped sum
             grads = conv_norms.per_sample_weight_grads(b, geo, B)
-            n = math.prod(geo.weight_shape)
-            self.ctx.sample_rows[c] = (b.reshape(grads, [B, n]), 0, [n], None)
-            self.ctx.counters["conv_grads_kept"] += 1
+            self._keep_conv_grads(c, geo, grads, None)
             return b.sq_sum_per_sample(grads), algo, why + "; keeps the per-sample gradients for the clipped " \
                 "sum (" + conv_norms.KEEP_WHY + ")"
         for form in (algo, "direct"):
@@ -303,6 +299,17 @@ class NormBuilder:
         if self.ctx.counters["gram_norm_kernels"] > grams:
             why += GRAM_KERNEL_WHY
         return sq, algo, why
+
+    def _keeps_conv_grads(self, geo: conv_norms.ConvGeometry) -> bool:
+        """bk keeps the direct form's per-sample gradients of this convolution (conv_norms.keeps_grads)."""
+        return self.ctx.options.schedule == "bk" and conv_norms.keeps_grads(geo)
+
+    def _keep_conv_grads(self, c: Contribution, geo: conv_norms.ConvGeometry, grads: fx.Node, arrange) -> None:
+        """grads [B, ...] as the rows clip_schedule makes c's clipped sum from (arrange: their order, as in
+        DPPassContext.sample_rows)."""
+        n = math.prod(geo.weight_shape)
+        self.ctx.sample_rows[c] = (self.b.reshape(grads, [self.B, n]), 0, [n], arrange)
+        self.ctx.counters["conv_grads_kept"] += 1
 
     def _conv_sq_by_samples(self, geo: conv_norms.ConvGeometry, algo: str, per_sample: int) -> tuple[Any, int]:
         """([B] squared norms, blocks) in blocks of samples of at most the block size (static B); (None, k) when

@@ -490,6 +490,7 @@ def host_profile(folder: str, stem: str, step, sync, steps: int = 5, top: int = 
     path = os.path.join(folder, stem + ".txt")
     with open(path, "w") as f:
         f.write(buf.getvalue())
+    prof.dump_stats(os.path.join(folder, stem + ".prof"))  # the whole profile, for pstats where it is read
     return path
 
 

@@ -144,10 +144,10 @@ class ViTBlock(nn.Module):
 
     def forward(self, x):
         h = self.norm1(x)
-        if isinstance(self.attn, nn.MultiheadAttention):
-            h = self.attn(h, h, h, need_weights=False)[0]  # need_weights=False: the fused (SDPA) attention
-        else:
+        if isinstance(self.attn, QKVAttention):
             h = self.attn(h)
+        else:  # nn.MultiheadAttention, or Opacus' DPMultiheadAttention in its place (ModuleValidator.fix)
+            h = self.attn(h, h, h, need_weights=False)[0]  # need_weights=False: the fused (SDPA) attention
         x = x + h
         return x + self.mlp(self.norm2(x))
 

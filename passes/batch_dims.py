@@ -165,6 +165,8 @@ class BatchDimAnalysis:
         if all(s is FREE or (isinstance(s, tuple) and all(x is FREE for x in s)) for s in in_states):
             return FREE
         v = node.meta.get("val")
+        if node.target in _ASSERTS:
+            return FREE
         if node.target in _SIZE_QUERIES:
             # sizes are not sample data: how many samples and how long they
             # are, public like the batch size itself (x.view(x.size()[:-1] + ...))
@@ -329,6 +331,11 @@ _LINEAR_ON_REDUCED |= COLLECTIVE_REDUCTIONS | {torch.ops._c10d_functional.wait_t
 
 # ops that read a tensor's size, never its values
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
+# runtime checks (F.one_hot's "class values must be non-negative", torch._check): they return nothing (or an
+# ordering token), so no value of theirs reaches the loss or a gradient; one that fails raises, as eager torch
+# does on the same bad target
+_ASSERTS = {aten._assert_async.default, aten._assert_async.msg, aten._functional_assert_async.msg,
+            aten._assert_scalar.default, aten._functional_assert_scalar.default}
 
 
 def batch_dim_analysis_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:

@@ -31,7 +31,7 @@ from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
 from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, SINGLE, Batched, Contribution, Mixed, Reduced, is_masking,
-                          is_zero_constant, loss_not_per_sample)
+                          is_zero_constant, loss_not_per_sample, RATIO_OF_SUMS)
 from .context import DPPassContext
 from .rules import RULES, pointwise
 
@@ -283,7 +283,7 @@ class BatchDimAnalysis:
             if t in (aten.mul.Tensor, aten.div.Tensor):
                 # linear only if the other factor does not depend on the samples
                 if t is aten.div.Tensor and isinstance(self.states.get(node.args[1]), Reduced):
-                    return Mixed(node, "a ratio of two sums over the samples")
+                    return Mixed(node, RATIO_OF_SUMS)
                 other = [self.states[a] for a in node.all_input_nodes]
                 if sum(isinstance(s, Reduced) for s in other) > 1:
                     return Mixed(node, "a product of two sums over the samples")

@@ -189,11 +189,18 @@ PER_SAMPLE_LOSS_HELP = (
 )
 
 
+RATIO_OF_SUMS = "a ratio of two sums over the samples"
+
+
 def loss_not_per_sample(origin: fx.Node, why: str) -> SamplesMixedError:
+    example = ("F.cross_entropy and F.nll_loss with their default reduction='mean' divide by the number of "
+               "targets that are not ignore_index, a count taken across samples; pass reduction='none'"
+               if why == RATIO_OF_SUMS else
+               "for example a token mean over the whole batch with ignore_index divides by a count taken across "
+               "samples")
     return SamplesMixedError(
         f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
-        f"{module_of(origin)} computes {why} (for example a token mean over the whole batch with "
-        f"ignore_index divides by a count taken across samples)."
+        f"{module_of(origin)} computes {why} ({example})."
         + (f"\n  at: {source_line(origin)}" if source_line(origin) else "")
         + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
     )

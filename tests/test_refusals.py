@@ -222,6 +222,16 @@ def test_token_mean_over_whole_batch_is_refused():
     assert "aten.div" in str(err)
 
 
+def test_cross_entropys_default_mean_is_refused_saying_to_pass_reduction_none():
+    """F.cross_entropy(logits, y) divides by the number of targets that are not ignore_index (a count across
+    samples): the refusal names cross_entropy's default mean and what to pass instead."""
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    err = expect_refusal(lambda: run(M.MLP(), lambda m, x, y: F.cross_entropy(m(x), y), (x, y)),
+                         "not a sum or mean of per-sample losses", "default reduction='mean'",
+                         "pass reduction='none'")
+    assert "aten.div" in str(err)
+
+
 def test_regulariser_in_loss_is_refused_naming_the_parameter():
     model = M.MLP()
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))

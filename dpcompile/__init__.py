@@ -93,12 +93,20 @@ def private_step(fn: Callable | None = None, *, mode: str | None = None, **optio
             before = backend.calls
             # past dynamo's recompile limit the step would run eagerly: no DP (the plain form gets the same
             # setting process-wide once a DP graph compiles: eager_guard)
-            limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            cfg = torch._dynamo.config
             # allow_rnn: nn.LSTM, nn.GRU and nn.RNN traced into the graph (dynamo runs them eagerly otherwise,
-            # and the step is refused as split: backend.refuse_gradients_passed_out)
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit,
-                                            allow_rnn=True):
+            # and the step is refused as split: backend.refuse_gradients_passed_out). Set and restored here,
+            # not by config.patch, which builds a class at every call (host time of every step)
+            settings = {"fail_on_recompile_limit_hit": True, "allow_rnn": True,
+                        "recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
+            prior = {k: getattr(cfg, k) for k in settings}
+            for k, v in settings.items():
+                setattr(cfg, k, v)
+            try:
                 out = compiled(*args, **kwargs)
+            finally:
+                for k, v in prior.items():
+                    setattr(cfg, k, v)
             if torch.is_grad_enabled() and backend.calls == before:
                 raise DPCompileError(
                     f"the step {getattr(f, '__name__', f)!r} ran without a dp_fsdp graph (did dynamo skip or "

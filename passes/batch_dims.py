@@ -31,7 +31,8 @@ from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
 from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, SINGLE, Batched, Contribution, Mixed, Reduced, is_masking,
-                          is_zero_constant, loss_not_per_sample)
+                          is_zero_constant, loss_not_per_sample, RATIO_OF_SUMS,
+                          sample_count_sum)
 from .context import DPPassContext
 from .rules import RULES, pointwise
 
@@ -165,6 +166,8 @@ class BatchDimAnalysis:
         if all(s is FREE or (isinstance(s, tuple) and all(x is FREE for x in s)) for s in in_states):
             return FREE
         v = node.meta.get("val")
+        if node.target in _ASSERTS:
+            return FREE
         if node.target in _SIZE_QUERIES:
             # sizes are not sample data: how many samples and how long they
             # are, public like the batch size itself (x.view(x.size()[:-1] + ...))
@@ -281,12 +284,39 @@ class BatchDimAnalysis:
             if t in (aten.mul.Tensor, aten.div.Tensor):
                 # linear only if the other factor does not depend on the samples
                 if t is aten.div.Tensor and isinstance(self.states.get(node.args[1]), Reduced):
-                    return Mixed(node, "a ratio of two sums over the samples")
+                    if node in self.tdep and self.states.get(node.args[0]) is FREE and \
+                            node.args[1] in self.ctx.sample_count_means.values():
+                        # the loss's incoming gradient over the count it divides by: the same for every
+                        # sample, and the loss pass's M (that count) scales each sample's share back
+                        return FREE
+                    if self._sample_count_mean(node):
+                        self.ctx.sample_count_means[node] = node.args[1]
+                        return Reduced(r.origin)
+                    return Mixed(node, RATIO_OF_SUMS)
                 other = [self.states[a] for a in node.all_input_nodes]
                 if sum(isinstance(s, Reduced) for s in other) > 1:
                     return Mixed(node, "a product of two sums over the samples")
             return Reduced(r.origin)
         return Mixed(node, f"{op_name(node)} of a sum over the samples")
+
+    def _sample_count_mean(self, node: fx.Node) -> bool:
+        """``node`` divides a sum of one value per sample by a count of samples (F.cross_entropy's and
+        F.nll_loss's default mean over the targets that are not ignore_index, one target per sample): a mean
+        of per-sample losses whose count leaves some samples out, which the loss pass takes as a mean with
+        that count for the batch size (the DP gradient divides by expected_batch_size all the same). A count
+        of several values per sample (a token mean over the batch) or of anything else stays refused: it
+        would change each sample's scale."""
+        num, den = (self.states.get(a) for a in node.args[:2])
+        count = sample_count_sum(node.args[1])
+        if not (isinstance(num, Reduced) and isinstance(den, Reduced) and count is not None
+                and den.origin is count and getattr(num.origin.target, "overloadpacket", None) is aten.sum):
+            return False
+
+        def one_per_sample(s: fx.Node) -> bool:
+            v = s.args[0].meta.get("val") if isinstance(s.args[0], fx.Node) else None
+            return isinstance(v, torch.Tensor) and known(v.numel() == self.B)
+
+        return one_per_sample(count) and one_per_sample(num.origin)
 
     # -- helpers used by rules -----------------------------------------------
     def st(self, a: Any):
@@ -329,6 +359,11 @@ _LINEAR_ON_REDUCED |= COLLECTIVE_REDUCTIONS | {torch.ops._c10d_functional.wait_t
 
 # ops that read a tensor's size, never its values
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
+# runtime checks (F.one_hot's "class values must be non-negative", torch._check): they return nothing (or an
+# ordering token), so no value of theirs reaches the loss or a gradient; one that fails raises, as eager torch
+# does on the same bad target
+_ASSERTS = {aten._assert_async.default, aten._assert_async.msg, aten._functional_assert_async.msg,
+            aten._assert_scalar.default, aten._functional_assert_scalar.default}
 
 
 def batch_dim_analysis_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:

@@ -189,11 +189,33 @@ PER_SAMPLE_LOSS_HELP = (
 )
 
 
+RATIO_OF_SUMS = "a ratio of two sums over the samples"
+_CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+
+
+def sample_count_sum(node: Any) -> fx.Node | None:
+    """The sum node when ``node`` is (a cast of) a sum of a boolean tensor: a count of elements that pass a
+    test, such as F.cross_entropy's count of targets that are not ignore_index; None otherwise. Whether what
+    it counts is samples (one element per sample) is the analysis' to check."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and getattr(node.target, "overloadpacket", None) is torch.ops.aten.sum):
+        return None
+    x = node.args[0]
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return node if isinstance(v, torch.Tensor) and v.dtype == torch.bool else None
+
+
 def loss_not_per_sample(origin: fx.Node, why: str) -> SamplesMixedError:
+    example = ("F.cross_entropy and F.nll_loss with their default reduction='mean' divide by the number of "
+               "targets that are not ignore_index, a count taken across samples; pass reduction='none'"
+               if why == RATIO_OF_SUMS else
+               "for example a token mean over the whole batch with ignore_index divides by a count taken across "
+               "samples")
     return SamplesMixedError(
         f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
-        f"{module_of(origin)} computes {why} (for example a token mean over the whole batch with "
-        f"ignore_index divides by a count taken across samples)."
+        f"{module_of(origin)} computes {why} ({example})."
         + (f"\n  at: {source_line(origin)}" if source_line(origin) else "")
         + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
     )

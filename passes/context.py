@@ -71,6 +71,9 @@ class DPPassContext:
     states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     tangent_dependent: set[fx.Node] = dataclasses.field(default_factory=set)
     loss: Any = None  # passes.loss_reduction.LossInfo
+    # a sum of per-sample losses divided by a count of samples (F.cross_entropy's default mean: the targets
+    # that are not ignore_index): the division -> the count (BatchDimAnalysis._sample_count_mean)
+    sample_count_means: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
     decompositions: dict[str, Any] = dataclasses.field(default_factory=dict)  # param name -> ParamGrad
     scale_rows: fx.Node | None = None  # r = c * M * k, shape [B]
     clip_coef: fx.Node | None = None

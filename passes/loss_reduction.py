@@ -11,7 +11,7 @@ from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.fx_utils import known
 from dpcompile.step_split import split_error_text
 
-from .batch_state import FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, loss_not_per_sample
+from .batch_state import FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, loss_not_per_sample, sample_count_sum
 from .context import DPPassContext
 
 aten = torch.ops.aten
@@ -25,6 +25,9 @@ def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> No
         packet = getattr(node.target, "overloadpacket", None)
         if packet in (aten.mean, aten.sum):
             kind = "mean" if packet is aten.mean else "sum"
+            break
+        if node.target is aten.div.Tensor and sample_count_sum(node.args[1]) is not None:
+            kind = "mean"  # a sum over a count of samples, as batch_dims takes it where there are samples
             break
         ins = node.all_input_nodes
         node = ins[0] if len(ins) == 1 else None
@@ -40,7 +43,7 @@ class LossInfo:
     node: fx.Node  # forward value of the loss
     tangent: fx.Node  # its incoming gradient in the backward (1.0 for loss.backward())
     reduction: str  # "mean" (k = 1/expected_batch_size, M = B) or "sum" (k = 1, M = 1)
-    M: Any  # graph contribution of sample i = tangent * g_i / M
+    M: Any  # graph contribution of sample i = tangent * g_i / M (a graph value where a count of samples divides)
     k: float
 
 
@@ -109,6 +112,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     if isinstance(st, Batched):  # B == 1 without an explicit reduction (e.g. per_sample.squeeze())
         kinds.add("sum")
     seen = set()
+    counts = set()  # counts of samples the loss divides its sum by (F.cross_entropy's default mean)
     stack = [loss]
     while stack:
         n = stack.pop()
@@ -120,6 +124,10 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             packet = getattr(n.target, "overloadpacket", None)
             kinds.add("mean" if packet is aten.mean else "sum")
             continue
+        if n in ctx.sample_count_means:  # sum / count: the sum is the loss's, the count its batch size
+            counts.add(ctx.sample_count_means[n])
+            stack.append(n.args[0])
+            continue
         for a in n.all_input_nodes:
             if isinstance(ctx.states.get(a), (Reduced, Batched)) and a not in seen:
                 if isinstance(ctx.states.get(a), Reduced) or isinstance(s, Batched):
@@ -130,16 +138,28 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             + PER_SAMPLE_LOSS_HELP
         )
     kind = kinds.pop()
+    count = None
+    if counts:
+        if len(counts) > 1 or kind != "sum":
+            raise DPCompileError(
+                "dp_fsdp: the loss divides sums over the batch by different counts of samples, or a mean by "
+                "one; use one reduction of per-sample losses. " + PER_SAMPLE_LOSS_HELP)
+        kind, (count,) = "mean", counts
     if kind == "mean":
         if ctx.options.expected_batch_size is None:
             raise DPValueError(
                 "dp_fsdp: the loss is a mean over the batch, so the option expected_batch_size is needed "
                 "(the DP gradient divides the noisy clipped sum by it, not by the sampled batch size)"
             )
-        M, k = ctx.batch_size, 1.0 / ctx.options.expected_batch_size
+        # a mean over a count of samples: a sample's graph contribution is its gradient over the count
+        M, k = (ctx.batch_size if count is None else count), 1.0 / ctx.options.expected_batch_size
     else:
         M, k = 1, 1.0
     ctx.loss = LossInfo(loss, tangent, kind, M, k)
     ctx.summary["loss"] = {"reduction": kind, "k": k, "batch_size": str(ctx.batch_size)}
+    if count is not None:
+        ctx.summary["loss"]["count"] = ("a sum of per-sample losses over a count of samples (F.cross_entropy's "
+                                        "default mean: the targets that are not ignore_index), taken as a mean")
+        ctx.counters["loss_mean_over_sample_count"] += 1
     ctx.counters[f"loss_{kind}"] += 1
     return gm

@@ -55,6 +55,14 @@ def kdim_ce(logits, y):
     return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
 
 
+def one_hot_ce(logits, y):
+    """Cross-entropy against label-smoothed one-hot targets made in the step: F.one_hot checks the targets' range
+    with asserts in the graph (aten._assert_async over the batch), which were refused as a Python scalar made
+    from per-sample data."""
+    k = logits.shape[-1]
+    return F.cross_entropy(logits, 0.9 * F.one_hot(y, k).to(logits.dtype) + 0.1 / k, reduction="none")
+
+
 def _logits_ce(out, y):
     return M.seq_ce(out.logits, y)
 
@@ -160,6 +168,8 @@ MODEL_CASES = {
     "gpt_lora": Case(lambda: M.LoRAGPT(n_layer=1), _tokens(13), M.seq_ce),
     "gpt_kdim_ce": Case(lambda: M.GPT(n_layer=1), _tokens(13), kdim_ce),
     "llama_sum": Case(lambda: M.LlamaLM(), _tokens(13), M.seq_ce, reduction="sum"),
+    "one_hot_targets": Case(lambda: M.MLP(), lambda B: ((torch.randn(B, 5) * 2,), (torch.randint(0, 3, (B,)),)),
+                            one_hot_ce),
     "hf_gpt2": Case(_hf_gpt2, _tokens(29), _logits_ce),
     "hf_llama": Case(_hf_llama, _padded_tokens(29), _logits_ce, reduction="sum"),  # with an attention mask
     # squeeze-excitation, ConvNeXt, U-Net, MLP-Mixer and gated-conv blocks

@@ -364,6 +364,64 @@ def noise(rank, world, init_file, out_dir, seed):
     dist.destroy_process_group()
 
 
+def cross_entropy_mean(rank, world, init_file, out_dir):
+    """F.cross_entropy(logits, y) with its default mean (over the targets that are not ignore_index), sharded:
+    per-rank batches SHARDED_STEPS with an ignored target in each batch of three or more, both schedules;
+    every rank's gathered gradient against the oracle of the per-sample losses (reduction="none")."""
+    import json
+    import traceback
+
+    import torch.nn.functional as F
+
+    mesh = _init(rank, world, init_file)
+    per_sample = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
+    results = {}
+    for schedule, form in (("bk", "compile"), ("ghost", "private_step")):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        batches = []
+        for sizes in SHARDED_STEPS:
+            x, y = torch.randn(sum(sizes), 5) * 2, torch.randint(0, 3, (sum(sizes),))
+            if sum(sizes) > 2:
+                y[2] = -100
+            batches.append((x, y))
+        model = M.MLP()
+        ref_model = copy.deepcopy(model)
+        xs, ys = (torch.cat(t) for t in zip(*batches))
+        _, norms = dp_reference(ref_model, per_sample, (xs,), (ys,), max_grad_norm=1.0, expected_batch_size=9)
+        C = float(norms[norms > 0].median())
+        shard_like_a_user(model, mesh)
+        options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule)
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss.detach()
+
+        fn = torch.compile(step, backend="dp_fsdp", options=options) if form == "compile" else \
+            dpcompile.private_step(step, **options)
+        try:
+            for sizes, (x, y) in zip(SHARDED_STEPS, batches):
+                lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+                model.zero_grad(set_to_none=True)
+                fn(x[lo:hi].clone(), y[lo:hi].clone())
+                ref = dp_reference(ref_model, per_sample, (x,), (y,), max_grad_norm=C, expected_batch_size=9)[0] \
+                    if sum(sizes) else None
+                for name, p in model.named_parameters():
+                    full = p.grad.full_tensor().double()
+                    want = ref[name] if ref is not None else torch.zeros_like(full)
+                    torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-7 + 1e-5 * float(want.abs().max()),
+                                               msg=lambda m: f"{sizes} {name}: {m}")
+            backend = dpcompile.get_backend(options) if form == "compile" else fn.dp_backend
+            (record,) = [r for r in backend.compiled if r.dp]
+            results[schedule] = {"error": None, "counters": dict(record.counters)}
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[schedule] = {"error": traceback.format_exc()[-3000:]}
+    with open(os.path.join(out_dir, f"ce{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
 def bad_inputs(rank, world, init_file, out_dir):
     """Partly sharded models and mixed meshes are refused with a clear error."""
     import json

@@ -229,6 +229,16 @@ def test_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(tmp_path):
     assert all(dtype == "torch.float32" and nonzero for dtype, nonzero in rep["grads"].values()), rep
 
 
+def test_cross_entropys_default_mean_sharded(tmp_path):
+    """F.cross_entropy(logits, y), default mean, on 2 ranks (per-rank batches of 0, 1, 3, 4, 5; ignored
+    targets): a mean of per-sample losses over each rank's count, exact against the oracle, both schedules."""
+    spawn(dist_worker.cross_entropy_mean, str(tmp_path))
+    for rank, results in enumerate(_read(tmp_path, prefix="ce")):
+        for schedule, r in results.items():
+            assert r["error"] is None, f"rank {rank} {schedule}:\n{r['error']}"
+            assert r["counters"]["loss_mean_over_sample_count"] == 1, r["counters"]
+
+
 def test_noise_on_shards_two_ranks(tmp_path):
     spawn(dist_worker.noise, str(tmp_path), 123)
     z0 = torch.load(os.path.join(tmp_path, "noise0.pt"))

@@ -217,6 +217,22 @@ def test_cuda_noise_std():
     assert rec.counters["noise_draws"] == 1, rec.counters
 
 
+def test_cuda_noise_seeds_reach_the_device_intact():
+    """The seeds go to the GPU through pinned memory, a new block each step that the host reuses once the copy
+    has run: 50 steps queued behind slow GPU work, without a sync, each arrives as that step's hash."""
+    from dpcompile.noise import NoiseSeeds
+
+    ns, ref = NoiseSeeds(123, rank=1), NoiseSeeds(123, rank=1)
+    big = torch.randn(4096, 4096, device="cuda")
+    drawn = []
+    for _ in range(50):
+        big = big @ big / 64  # the copies queue behind this
+        drawn.append(ns.next(300, torch.device("cuda")))
+    torch.cuda.synchronize()
+    for step, t in enumerate(drawn):
+        assert t.device.type == "cuda" and t.tolist() == ref.seeds_for(step, 300), step
+
+
 def test_cuda_randn_kernel_draws_standard_normals():
     """dpcompile::randn compiled for the GPU (the chunk draws of every CUDA step): a million draws."""
     import noise_kernel_check

@@ -124,7 +124,9 @@ def test_seeds_are_the_splitmix64_stream_in_int64():
         assert ns.seeds_for(step, 9) == reference(ns, step, 9)
         ns.index_ranks = {2: 0, 5: 7}  # tensor parallel: a replicated parameter's stream is another rank's
         assert ns.seeds_for(step, 9) == reference(ns, step, 9)
-        assert ns.next(9, torch.device("cpu")).dtype == torch.int64
+        step = ns.step
+        drawn = ns.next(9, torch.device("cpu"))
+        assert drawn.dtype == torch.int64 and drawn.tolist() == reference(ns, step, 9) and ns.step == step + 1
 
 
 def test_the_triton_draw_is_standard_normal_and_so_is_the_steps_noise():

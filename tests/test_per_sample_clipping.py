@@ -1,6 +1,7 @@
 """Every layer kind and model of cases.py, both schedules, against the vmap(grad) oracle with clipping active."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dpcompile
 
@@ -369,3 +370,42 @@ def test_weight_normalised_as_a_whole(schedule):
                                 torch.nn.Tanh(), torch.nn.Linear(6, 3))
     check_against_reference(model, M.ce, (torch.randn(4, 5),), (torch.randint(0, 3, (4,)),), schedule=schedule,
                             compiler="eager")
+
+
+@pytest.mark.parametrize("schedule,batch,loss", [("bk", "static", "cross_entropy"), ("ghost", "unbacked", "cross_entropy"),
+                                                 ("ghost", "static", "nll_loss"), ("bk", "unbacked", "nll_loss")])
+def test_cross_entropys_default_mean_over_one_target_per_sample(schedule, batch, loss):
+    """F.cross_entropy(logits, y) and F.nll_loss with their default mean: a sum of per-sample losses over the
+    count of targets that are not ignore_index, one per sample, so a mean of per-sample losses (the DP gradient
+    divides by expected_batch_size, as for .mean()); exact against the oracle of the per-sample losses
+    (reduction="none"), an ignored target's sample contributing nothing and not counted as dropped."""
+    import copy
+
+    from reference import dp_reference
+
+    torch.manual_seed(0)
+    model = M.MLP()
+    x, y = torch.randn(6, 5) * 2, torch.randint(0, 3, (6,))
+    y[2] = -100  # ignore_index
+    per_sample = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
+    _, norms = dp_reference(model, per_sample, (x,), (y,), max_grad_norm=1.0, expected_batch_size=7)
+    C = float(norms[norms > 0].median())
+    assert (norms > C).any() and ((norms < C) & (norms > 0)).any(), norms
+    ref, _ = dp_reference(model, per_sample, (x,), (y,), max_grad_norm=C, expected_batch_size=7)
+    m = copy.deepcopy(model)
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=7, schedule=schedule)
+
+    def step(x, y):
+        out = m(x)
+        l = F.cross_entropy(out, y) if loss == "cross_entropy" else F.nll_loss(F.log_softmax(out, -1), y)
+        l.backward()
+        return l.detach()
+
+    if batch == "unbacked":
+        dpcompile.mark_batch(x, y)
+    torch.compile(step, backend=backend)(x, y)
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda s: f"{name}: {s}")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["loss_mean_over_sample_count"] == 1, record.counters
+    assert record.summary["loss"]["reduction"] == "mean" and backend.dropped_samples() == 0

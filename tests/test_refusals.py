@@ -222,6 +222,23 @@ def test_token_mean_over_whole_batch_is_refused():
     assert "aten.div" in str(err)
 
 
+@pytest.mark.parametrize("how", ["token_mean", "class_weights"])
+def test_cross_entropys_mean_over_other_counts_is_refused_saying_to_pass_reduction_none(how):
+    """F.cross_entropy's default mean divides by the targets that are not ignore_index: over a batch of tokens
+    (several per sample) or weighted by class, that count changes each sample's scale, so it is refused (one
+    target per sample is accepted: test_per_sample_clipping); the refusal names the default mean."""
+    if how == "token_mean":
+        model, ids = M.GPT(), torch.randint(0, 13, (4, 6))
+        call = lambda: run(model, lambda m, ids: F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()), (ids,))
+    else:
+        x, y, model = torch.randn(4, 5), torch.randint(0, 3, (4,)), M.MLP()
+        model.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5]))
+        call = lambda: run(model, lambda m, x, y: F.cross_entropy(m(x), y, weight=m.class_weight), (x, y))
+    err = expect_refusal(call, "not a sum or mean of per-sample losses", "default reduction='mean'",
+                         "pass reduction='none'")
+    assert "aten.div" in str(err)
+
+
 def test_regulariser_in_loss_is_refused_naming_the_parameter():
     model = M.MLP()
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))

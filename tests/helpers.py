@@ -62,3 +62,8 @@ def run_interpreted(script: str, *args: str) -> dict:
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
+
+
+def all_cpp_wrapper_codes(codes) -> bool:
+    """Whether Inductor wrote every one of these generated files with its C++ wrapper (and at least one)."""
+    return bool(codes) and all("cpp_wrapper" in c or 'extern "C"' in c for c in codes)

@@ -58,7 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # dpcompile from this checkout, also when it is not installed
 sys.path.insert(0, HERE)
 import dpcompile  # noqa: E402
-from anchors import compile_phases, failure, host_profile, kernel_profile  # noqa: E402
+from anchors import compile_phases, dp_compile_seconds, failure, host_profile, kernel_profile  # noqa: E402
 from vision_models import ViT, WideResNet  # noqa: E402
 
 MODES = ("nonprivate", "bk", "ghost", "opacus")
@@ -209,6 +209,7 @@ def measure(shape: str, dtype: str, mode: str, args, device: torch.device) -> di
             "compile_and_warmup_s": warm_s, "first_loss": first_loss,
             "params": sum(p.numel() for p in model.parameters()),
             "norm_forms": norm_forms(fn) if mode in ("bk", "ghost") else None,
+            "dp_compile_seconds": dp_compile_seconds(fn) if mode in ("bk", "ghost") else None,
             "compile_phases": compile_phases() if fn is not None else None}
 
 

@@ -7,9 +7,11 @@ gradients; the min-cut partitioner and Inductor take it from there.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -285,6 +287,21 @@ def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split
                 f"compute everything that needs gradients inside the compiled step.")))
 
 
+class _Clock:
+    """``with clock(name):`` adds the block's wall time to ``seconds[name]``."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+
 class DPPartitioner(CustomPartitionerFn):
     """Runs the dp passes on the joint graph, then Inductor's min-cut partitioner."""
 
@@ -316,15 +333,23 @@ class DPPartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         self.called = True
-        ctx = self._context(gm, kwargs["num_fwd_outputs"])
-        self._dump("joint_graph_before_dp", gm)
+        seconds: dict[str, float] = {}  # where this compile's time went (summary "compile_seconds")
+        clock = _Clock(seconds)
+        with clock("context"):
+            ctx = self._context(gm, kwargs["num_fwd_outputs"])
+        with clock("graph_texts"):
+            self._dump("joint_graph_before_dp", gm)
         before = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
         for p in PASSES:
             if p.name in self.backend.config.disable_passes:
                 continue
-            gm = finalize(p.fn(gm, ctx))  # passes append rebuilt nodes; restore order, lint
+            with clock(p.name):
+                gm = p.fn(gm, ctx)
+            with clock("finalize"):
+                gm = finalize(gm)  # passes append rebuilt nodes; restore order, lint
             self._dump(f"joint_after_{p.name}", gm, keep=False)
-        self._dump("joint_graph_after_dp", gm)
+        with clock("graph_texts"):
+            self._dump("joint_graph_after_dp", gm)
         after = {n.name for n in gm.graph.nodes if n.op == "call_function"}
         removed = sorted(f"{k} ({v})" for k, v in before.items() if k not in after)
         ctx.summary["rewrite"] = {
@@ -336,38 +361,44 @@ class DPPartitioner(CustomPartitionerFn):
         # No CSE in the partitioner: it would merge identical collectives (a rank
         # with no samples has many identical zero gradients), and every rank
         # must issue the same collectives.
-        with torch._functorch.config.patch(cse=False):
+        with torch._functorch.config.patch(cse=False), clock("min_cut_partition"):
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        ctx.counters["rng_states_moved_before_saved_objects"] += rng_states_before_saved_objects(
-            fw, bw, kwargs["num_fwd_outputs"])
-        # what CSE would have merged among the saved values (no_aliased_donations: why it matters)
-        merge_identical_saved_values(fw, bw, kwargs["num_fwd_outputs"], ctx.counters)
-        # ghost: the second backward's own copies of the pointwise values both backwards read
-        copy_shared_values_into_second_backward(bw, ctx.counters)
+        with clock("after_partition"):
+            ctx.counters["rng_states_moved_before_saved_objects"] += rng_states_before_saved_objects(
+                fw, bw, kwargs["num_fwd_outputs"])
+            # what CSE would have merged among the saved values (no_aliased_donations: why it matters)
+            merge_identical_saved_values(fw, bw, kwargs["num_fwd_outputs"], ctx.counters)
+            # ghost: the second backward's own copies of the pointwise values both backwards read
+            copy_shared_values_into_second_backward(bw, ctx.counters)
         for p in BACKWARD_PASSES:
             if p.name not in self.backend.config.disable_passes and \
                     (not p.inductor_only or self.backend.config.compiler == "inductor"):
-                bw = p.fn(bw, ctx)
+                with clock(p.name):
+                    bw = p.fn(bw, ctx)
         # dpcompile's Triton kernels compiled in threads while Inductor compiles these graphs, not at first launch
-        precompiled = precompile_kernels([fw, bw])
+        with clock("precompile_start"):
+            precompiled = precompile_kernels([fw, bw])
         if precompiled is not None:
             ctx.summary["kernel_precompile"] = precompiled
         self.record.counters = {**self.record.counters, **ctx.counters}  # (the rewrites before AOTAutograd's)
         # Inductor's memory planning of bw adds buffer_reuses_refused to them
         count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)
-        self._dump("forward", fw)
-        self._dump("backward", bw)
-        self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))
-        if "tensor_parallel" in ctx.summary:
-            ctx.summary["tensor_parallel"]["window"] = _norm_all_reduce_window(bw)
-        ctx.summary["counters"] = dict(ctx.counters)
-        ctx.summary["graph_ops"] = {
-            "forward": _op_counts(fw), "backward": _op_counts(bw),
-        }
-        ctx.summary["collectives"] = _collectives_by_phase(fw, bw, ctx)
+        with clock("graph_texts"):
+            self._dump("forward", fw)
+            self._dump("backward", bw)
+        with clock("record"):
+            self.record.ops.update(forward=_op_list(fw), backward=_op_list(bw))
+            if "tensor_parallel" in ctx.summary:
+                ctx.summary["tensor_parallel"]["window"] = _norm_all_reduce_window(bw)
+            ctx.summary["counters"] = dict(ctx.counters)
+            ctx.summary["graph_ops"] = {
+                "forward": _op_counts(fw), "backward": _op_counts(bw),
+            }
+            ctx.summary["collectives"] = _collectives_by_phase(fw, bw, ctx)
         ctx.summary["compile_id"] = self.record.compile_id
         ctx.summary["rank"] = _rank()
         ctx.summary["batch_size"] = str(ctx.batch_size)
+        ctx.summary["compile_seconds"] = {k: round(v, 4) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
         self.record.summary = ctx.summary
         self.dumper.dump_summary(ctx.summary)
         self.record.dump_files = list(self.dumper.files)

@@ -289,3 +289,20 @@ def gram_parts(S: int) -> int:
     from dpcompile import gram_sq_norms
 
     return gram_sq_norms.parts(S, 8, 8)  # narrow layers: their features in one piece
+
+
+def test_summary_says_where_the_compile_time_went():
+    """summary["compile_seconds"]: the wall time of each dp pass that ran (a disabled one is absent), the
+    order-and-lint after them, the min-cut partition and the kept graph texts, for profiling a slow compile."""
+    from dpcompile.passes import BACKWARD_PASSES, PASSES
+
+    torch._dynamo.reset()
+    step, backend = compile_step(M.MLP(), M.ce, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4,
+                                 compiler="eager", disable_passes=("comm_overlap",))
+    step((torch.randn(4, 5),), (torch.randint(0, 3, (4,)),))
+    seconds = backend.compiled[0].summary["compile_seconds"]
+    ran = {p.name for p in PASSES + BACKWARD_PASSES if p.name != "comm_overlap" and not p.inductor_only}
+    assert ran | {"min_cut_partition", "finalize", "graph_texts"} <= set(seconds), sorted(seconds)
+    assert "comm_overlap" not in seconds and "view_chains" not in seconds  # disabled; Inductor's only
+    assert all(v >= 0 for v in seconds.values()) and list(seconds.values()) == sorted(seconds.values(), reverse=True)
+    assert seconds["min_cut_partition"] > 0

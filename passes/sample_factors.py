@@ -21,18 +21,11 @@ def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[i
     shape = list(x.meta["val"].shape)
     d = lay.dim
     split = shape[:d] + [lay.outer, B, lay.inner] + shape[d + 1 :]
-    xs = b.view(x, split)
     newpos = lambda k: k if k < d else k + 2  # noqa: E731
     feats = [newpos(f) for f in feature_dims]
     leads = [newpos(k) for k in lead]
     rows = [k for k in range(len(split)) if k != d + 1 and k not in feats and k not in leads]
-    xs = b.permute(xs, [d + 1] + leads + rows + feats)
-    if not known(lay.outer == 1):
-        # samples inside the rows (a sequence-first [T, B, d] activation): copied sample-major, as an eager
-        # reshape would. Inductor otherwise keeps the reshape a view when it only drops size-one dims, and
-        # its batched-matmul lowering, handed an operand whose sample stride is 1 and whose other strides
-        # are multiples of an unbacked batch size (a sharded step's), failed on a guard of that size
-        xs = b.call(aten.clone.default, xs, memory_format=torch.contiguous_format)
+    order = [d + 1] + leads + rows + feats
     S = 1
     for k in rows:
         S = S * split[k]
@@ -42,7 +35,69 @@ def sample_major(b: GraphBuilder, x: fx.Node, lay: Batched, feature_dims: list[i
     n = B
     for k in leads:
         n = n * split[k]
+    # where the wanted order is the elements' own (only size-one dims move), one reshape of x, or of the
+    # tensor x transposes (a weight gradient's mm reads its operand transposed): fewer nodes for every pass
+    # after this one, the partition and Inductor to handle
+    source = _reshape_source(x, split, d, order)
+    if source is not None:
+        return b.reshape(source, [n, S, F])
+    xs = b.view(x, split)
+    xs = b.permute(xs, order)
+    if not known(lay.outer == 1):
+        # samples inside the rows (a sequence-first [T, B, d] activation): copied sample-major, as an eager
+        # reshape would. Inductor otherwise keeps the reshape a view when it only drops size-one dims, and
+        # its batched-matmul lowering, handed an operand whose sample stride is 1 and whose other strides
+        # are multiples of an unbacked batch size (a sharded step's), failed on a guard of that size
+        xs = b.call(aten.clone.default, xs, memory_format=torch.contiguous_format)
     return b.reshape(xs, [n, S, F])
+
+
+def _in_memory_order(sizes: list, positions: list[int]) -> bool:
+    """Whether taking the dims at ``positions`` in that order (every dim once) keeps the elements' row-major
+    order: the dims not of size one (statically) appear in increasing position."""
+    kept = [q for q in positions if not known(sizes[q] == 1)]
+    return kept == sorted(kept)
+
+
+def _permutation(x: fx.Node) -> list[int] | None:
+    """p where x = y.permute(p) (a permute, transpose or t node), None for any other node."""
+    if x.op != "call_function" or not isinstance(x.args[0], fx.Node):
+        return None
+    r = x.meta["val"].dim()
+    if x.target is aten.permute.default:
+        return [k % r for k in x.args[1]]
+    p = list(range(r))
+    if x.target is aten.t.default and r == 2:
+        return [1, 0]
+    if x.target is aten.t.default or (x.target is aten.transpose.int and r < 2):
+        return p  # t or transpose of a 0-D or 1-D tensor: itself
+    if x.target is aten.transpose.int:
+        a, c = x.args[1] % r, x.args[2] % r
+        p[a], p[c] = p[c], p[a]
+        return p
+    return None
+
+
+def _reshape_source(x: fx.Node, split: list, d: int, order: list[int]) -> fx.Node | None:
+    """A tensor whose reshape to ``order``'s dims of x's ``split`` (x with dim d split into outer, B, inner)
+    is that permuted split: x itself when ``order`` keeps its elements' order, or the input y of x =
+    y.permute(p) when ``order`` keeps y's. None otherwise."""
+    if _in_memory_order(split, order):
+        return x
+    p = _permutation(x)
+    if p is None:
+        return None
+    y, yd = x.args[0], p[d]
+
+    def y_pos(q: int) -> int:  # split position q of x -> position of the same dim in y's split at yd
+        if d <= q <= d + 2:
+            return yd + (q - d)
+        j = p[q if q < d else q - 2]
+        return j if j < yd else j + 2
+
+    y_shape = list(y.meta["val"].shape)
+    y_split = y_shape[:yd] + split[d: d + 3] + y_shape[yd + 1:]
+    return y if _in_memory_order(y_split, [y_pos(q) for q in order]) else None
 
 
 def transpose12(b: GraphBuilder, x: fx.Node) -> fx.Node:

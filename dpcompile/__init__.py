@@ -44,7 +44,7 @@ from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # n
 from dpcompile.compat import (conv_backward_layout_as_input, integer_equalities_decided,  # noqa: E402
                               size_oblivious_channels_last, size_oblivious_global_avg_pool, size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check,
-                              size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
+                              size_oblivious_one_hot, size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
                               uniform_fold_skips_unbacked_guards)
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
@@ -146,6 +146,7 @@ size_oblivious_global_avg_pool()
 size_oblivious_reshape()
 size_oblivious_norm_batch_check()
 size_oblivious_repeat()
+size_oblivious_one_hot()
 size_oblivious_channels_last()
 conv_backward_layout_as_input()
 uniform_fold_skips_unbacked_guards()

@@ -39,6 +39,9 @@ is the same per-element loss and the same reduction.
 ``reshape`` with a -1 of a tensor it cannot view infers the -1 in C++ with a guard that an unbacked
 batch size cannot answer (``size_oblivious_reshape``: the -1 inferred in Python, where provably exact).
 
+``F.one_hot`` asks in C++ whether its input is empty (torch 2.11; ``size_oblivious_one_hot``: a comparison with
+``arange`` after the range asserts, as torch 2.13 traces it).
+
 The autograd formula of ``repeat`` asks whether each count is 1, which an unbacked count (a repeat over the
 batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backward does not ask).
 
@@ -383,6 +386,32 @@ def size_oblivious_reshape() -> None:
         return op._op_dk(key, self, explicit(self, list(shape)))  # torch's own, every size given
 
     op.py_impl(key)(reshape)
+
+
+def size_oblivious_one_hot() -> None:
+    """``F.one_hot(y, k)`` with an unbacked batch size (label smoothing, Dice and focal losses made in a sharded
+    step): torch 2.11's C++ kernel asks whether ``y`` is empty (``numel() == 0``), which an unbacked size cannot
+    answer, and dynamo splits the step there (torch 2.13 no longer asks). A Python kernel, used only while
+    tracing and only when a size is unbacked and the class count is given, checks the targets' range with
+    runtime asserts as torch 2.13 does and compares them with ``arange(k)``: the same int64 tensor, empty for
+    an empty batch. Any other call is torch's own kernel."""
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.one_hot.default
+    key = DispatchKey.CompositeImplicitAutograd
+    if key in op.py_kernels:
+        return
+
+    def one_hot(self, num_classes=-1):
+        if num_classes < 0 or self.dtype != torch.int64 or not free_unbacked_symbols(self.shape):
+            return op._op_dk(key, self, num_classes)  # torch's own
+        torch._assert_async((self >= 0).all(), "Class values must be non-negative.")
+        torch._assert_async((self < num_classes).all(), "Class values must be smaller than num_classes.")
+        return (self.unsqueeze(-1) == torch.arange(num_classes, device=self.device)).to(torch.int64)
+
+    op.py_impl(key)(one_hot)
 
 
 def size_oblivious_repeat() -> None:

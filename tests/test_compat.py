@@ -491,3 +491,31 @@ def test_convolution_backward_fake_layout_follows_the_input(monkeypatch):
             if lib is not None:
                 lib._destroy()
         op._dispatch_cache.clear()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_hot_of_unbacked_targets_traces_whole_and_still_checks_their_range(device):
+    """F.one_hot(y, k) in a step with an unbacked batch (label smoothing made in a sharded step): torch 2.11's
+    kernel asks whether y is empty. The value and the gradient are eager's for every batch size; a target out of
+    range still fails the step (CPU: when it runs; CUDA: a device assert, not tested here)."""
+    import torch
+    import torch.nn.functional as F
+
+    w = torch.nn.Parameter(torch.randn(4, 3, device=device))
+
+    def loss(x, y):
+        return -(F.log_softmax(x @ w, -1) * (0.9 * F.one_hot(y, 3) + 0.1 / 3)).sum()
+
+    for n in (3, 1, 0):
+        torch._dynamo.reset()
+        x, y = torch.randn(n, 4, device=device), torch.randint(0, 3, (n,), device=device)
+        dpcompile.mark_batch(x, y)
+        fn = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        got = fn(x, y)
+        (g,) = torch.autograd.grad(got, [w])
+        want = loss(x, y)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])
+        if n and device == "cpu":
+            with pytest.raises(RuntimeError, match="num_classes|smaller"):
+                fn(x, torch.full_like(y, 3))

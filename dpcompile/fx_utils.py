@@ -50,6 +50,26 @@ def contiguous_strides(shape) -> list:
     return strides[::-1]
 
 
+def permutation_of(node: fx.Node) -> list[int] | None:
+    """The dim order of a permute, t or transpose node (output dim i reads input dim perm[i]); None for any
+    other node."""
+    if node.op != "call_function":
+        return None
+    aten = torch.ops.aten
+    nd = node.meta["val"].dim()
+    if node.target is aten.permute.default:
+        return [d % nd for d in node.args[1]]
+    if node.target is aten.t.default:
+        return [1, 0] if nd == 2 else list(range(nd))
+    if node.target is aten.transpose.int:
+        perm = list(range(nd))
+        if nd:
+            d0, d1 = (d % nd for d in node.args[1:3])
+            perm[d0], perm[d1] = d1, d0
+        return perm
+    return None
+
+
 def row_major(shape, stride) -> bool:
     """The strides are the contiguous ones of the shape for every value of the symbols in them (a dim of size
     one may have any stride)."""

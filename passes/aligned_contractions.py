@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 
-from dpcompile.fx_utils import GraphBuilder, is_collective
+from dpcompile.fx_utils import GraphBuilder, is_collective, permutation_of
 from .context import DPPassContext
 from .inplace_row_masks import ROW_MASK
 
@@ -80,19 +80,6 @@ def _extra(size, align: int, itemsize: int) -> int:
     if inductor_config.comprehensive_padding and size > inductor_config.padding_stride_threshold:
         align = max(align, inductor_config.padding_alignment_bytes // itemsize)
     return -size % align
-
-
-def _permutation(node: fx.Node) -> list[int] | None:
-    """The dim order of a permute/t/transpose node (output dim i reads input dim perm[i])."""
-    nd = node.meta["val"].dim()
-    if node.target is aten.permute.default:
-        return [d % nd for d in node.args[1]]
-    if node.target is aten.t.default:
-        return [1, 0] if nd == 2 else [0]
-    d0, d1 = (d % nd for d in node.args[1:3])
-    perm = list(range(nd))
-    perm[d0], perm[d1] = d1, d0
-    return perm
 
 
 class _Padder:
@@ -235,7 +222,7 @@ class _Padder:
         if x.op != "call_function" or not isinstance(x.args[0], fx.Node):
             return None
         if x.target in _PERMUTES:
-            return _permutation(x)[dim]
+            return permutation_of(x)[dim]
         if x.target in _VIEWS and isinstance(x.args[1][dim], int) and x.args[1][dim] == x.meta["val"].shape[dim]:
             # a view that only regroups the dims before ``dim``: [B*T, V] <-> [B, T, V]
             shape, base_shape = x.meta["val"].shape, x.args[0].meta["val"].shape

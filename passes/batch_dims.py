@@ -30,9 +30,8 @@ from dpcompile.errors import DPCompileError, DPValueError, SamplesMixedError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
-from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, SINGLE, Batched, Contribution, Mixed, Reduced, is_masking,
-                          is_zero_constant, loss_not_per_sample, RATIO_OF_SUMS,
-                          sample_count_sum)
+from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, SINGLE, Batched, Contribution, Mixed, Reduced,
+                          is_masking, is_zero_constant, loss_not_per_sample, sample_count_sum)
 from .context import DPPassContext
 from .rules import RULES, pointwise
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.fx_utils import GraphBuilder, known
+from dpcompile.fx_utils import GraphBuilder, known, permutation_of
 
 from .batch_state import Batched
 
@@ -59,33 +59,14 @@ def _in_memory_order(sizes: list, positions: list[int]) -> bool:
     return kept == sorted(kept)
 
 
-def _permutation(x: fx.Node) -> list[int] | None:
-    """p where x = y.permute(p) (a permute, transpose or t node), None for any other node."""
-    if x.op != "call_function" or not isinstance(x.args[0], fx.Node):
-        return None
-    r = x.meta["val"].dim()
-    if x.target is aten.permute.default:
-        return [k % r for k in x.args[1]]
-    p = list(range(r))
-    if x.target is aten.t.default and r == 2:
-        return [1, 0]
-    if x.target is aten.t.default or (x.target is aten.transpose.int and r < 2):
-        return p  # t or transpose of a 0-D or 1-D tensor: itself
-    if x.target is aten.transpose.int:
-        a, c = x.args[1] % r, x.args[2] % r
-        p[a], p[c] = p[c], p[a]
-        return p
-    return None
-
-
 def _reshape_source(x: fx.Node, split: list, d: int, order: list[int]) -> fx.Node | None:
     """A tensor whose reshape to ``order``'s dims of x's ``split`` (x with dim d split into outer, B, inner)
     is that permuted split: x itself when ``order`` keeps its elements' order, or the input y of x =
     y.permute(p) when ``order`` keeps y's. None otherwise."""
     if _in_memory_order(split, order):
         return x
-    p = _permutation(x)
-    if p is None:
+    p = permutation_of(x)
+    if p is None or not isinstance(x.args[0], fx.Node):
         return None
     y, yd = x.args[0], p[d]
 

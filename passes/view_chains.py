@@ -129,12 +129,12 @@ def view_chains_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
         # model's: one reshape of a tensor is what Inductor sees through or copies anyway (cheap checks first:
         # the symbolic ones cost a GPT-2-small compile half a second). The norm rewrite's own lone reshapes
         # (sample_major's, where one reshape gives the sample-major rows) become views like a chain's end
-        lone = node.target in _RESHAPES and not node.meta.get("dpcompile")
+        model_reshape = node.target in _RESHAPES and not node.meta.get("dpcompile")
         if not is_view_op(node) or all(is_view_op(u) for u in node.users) or \
-                (lone and not is_view_op(node.args[0])):
+                (model_reshape and not is_view_op(node.args[0])):
             continue
         src = contiguous_source(node)
-        if src is None or (src is node.args[0] and (lone or node.target is not aten.reshape.default)):
+        if src is None or (src is node.args[0] and (model_reshape or node.target is not aten.reshape.default)):
             continue
         shape = list(node.meta["val"].shape)
         if not splits_or_merges(list(src.meta["val"].shape), shape):

@@ -25,7 +25,7 @@ from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
-                              hf_expand_position_ids, hint_fusion_scores, hint_mix_order_split,
+                              hf_expand_position_ids, hint_fusion_scores, hint_kernel_size_hints, hint_mix_order_split,
                               reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
@@ -721,6 +721,7 @@ class DPBackend:
         guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
         hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
         hint_fusion_scores()  # ... and fuse its kernels as for a fixed batch of the hint's size
+        hint_kernel_size_hints()  # ... and tune them for it
         reshape_indexer_refuses_unbacked_guesses()  # ... and index its reshapes for every batch size
         cpp_wrapper_any_args()  # a sharded graph's collectives under Inductor's C++ wrapper (torch 2.13)
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second

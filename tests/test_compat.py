@@ -4,7 +4,8 @@ import inspect
 import pytest
 
 import dpcompile
-from dpcompile.compat import guard_empty_y_grid, hint_fusion_scores, hint_mix_order_split, unbacked_size_hints
+from dpcompile.compat import (guard_empty_y_grid, hint_fusion_scores, hint_kernel_size_hints, hint_mix_order_split,
+                              unbacked_size_hints, unbacked_symbolic_hints)
 
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 
@@ -34,6 +35,36 @@ def test_unbacked_size_hints_use_the_hint_override_and_leave_static_sizes_alone(
         assert sizevars.size_hint(u * 1024) == 3 * 1024
         assert sizevars.size_hint(7 * 64) == 448
     assert hasattr(sizevars, "size_hint") == had  # the class's method again, or none as before
+
+
+def test_unbacked_symbolic_hints_use_the_hint_override_and_leave_other_sizes_alone():
+    import sympy
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    class OlderSizeVars(SizeVarAllocator):
+        def symbolic_hint(self, expr):  # torch 2.11's: a size with an unbacked symbol is left symbolic
+            return sympy.sympify(expr)
+
+    env = ShapeEnv()
+    u, v = env.create_unbacked_symint().node.expr, env.create_unbacked_symint().node.expr
+    env.var_to_hint_override[u] = 3
+    sizevars = OlderSizeVars(env)
+    with unbacked_symbolic_hints(sizevars):
+        assert sizevars.symbolic_hint(u * 1024) == 3 * 1024  # the kernel is tuned for the hinted batch
+        assert sizevars.symbolic_hint(sympy.Integer(7 * 64)) == 448
+        assert int(sizevars.symbolic_hint(v * 2)) > 2  # no hint: Inductor's fallback, a number all the same
+    assert "symbolic_hint" not in vars(sizevars)  # the class's method again
+    assert sizevars.symbolic_hint(u * 1024) == u * 1024
+
+
+def test_kernel_size_hints_patch_only_where_torch_still_hints_8192():
+    triton_codegen = pytest.importorskip("torch._inductor.codegen.triton")
+    hint_kernel_size_hints()
+    fn = triton_codegen.TritonKernel.codegen_kernel
+    original = getattr(fn, "_dpcompile_original", fn)
+    flat = "size_hint = 8192" in inspect.getsource(original)
+    assert getattr(fn, "_dpcompile_guarded", False) == flat
 
 
 def test_mix_order_split_patch_only_where_torch_still_asks_size_hint():

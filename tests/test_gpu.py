@@ -65,6 +65,34 @@ def test_cuda_unbacked_batch_matches_reference(case, schedule):
     _unbacked_steps_match_reference(case, schedule, "cuda")
 
 
+def test_cuda_kernels_are_tuned_for_the_batch_hint():
+    """An unbacked batch with a hint: Inductor's Triton kernels carry the hinted sizes (torch 2.11 hinted every
+    unbacked dim as 8192, whatever the hint: compat.hint_kernel_size_hints), and run exact at other sizes."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from dpcompile.compat import hint_kernel_size_hints
+
+    hint_kernel_size_hints()
+
+    def f(t):
+        return (t.sin() * 2).sum(1), t.cos() + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f)
+    codes = []
+    for n in (3, 5, 1):  # one graph for the three
+        x = torch.randn(n, 100, device="cuda")
+        torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=3)
+        got, code = run_and_get_code(compiled, x)
+        codes += code
+        torch.testing.assert_close(got, f(x))
+    hints = [dict(re.findall(r"'(\w+)': (\d+)", h)) for h in re.findall(r"size_hints=\{([^}]*)\}", "".join(codes))]
+    assert hints and all("8192" not in h.values() for h in hints), hints
+    assert any(h.get("x") in ("4", "512") for h in hints), hints  # the hint's 3 rows (or its 300 elements)
+
+
 def _unbacked_steps_match_reference(case, schedule, device):
     c = CASES[case]
     model = c.model()

@@ -49,6 +49,9 @@ is the same per-element loss and the same reduction.
 ``reshape`` with a -1 of a tensor it cannot view infers the -1 in C++ with a guard that an unbacked
 batch size cannot answer (``size_oblivious_reshape``: the -1 inferred in Python, where provably exact).
 
+``F.cross_entropy`` with probability targets asks torch 2.11's C++ for a plain size of the input
+(``size_oblivious_prob_cross_entropy``: torch's formula in Python while tracing).
+
 ``F.one_hot`` asks in C++ whether its input is empty (torch 2.11; ``size_oblivious_one_hot``: a comparison with
 ``arange`` after the range asserts, as torch 2.13 traces it).
 
@@ -388,6 +391,51 @@ def size_oblivious_nll_loss_nd() -> None:
         return out.view(target.shape) if reduction == 0 else out
 
     op.py_impl(key)(nll_loss_nd)
+
+
+def size_oblivious_prob_cross_entropy() -> None:
+    """``F.cross_entropy`` with probability targets (label smoothing written out, mixup, distillation:
+    ``target`` floating point, of the input's shape) and an unbacked batch size: torch 2.11's C++ kernel
+    asks for a plain size of the input (``Could not extract specialized integer from data-dependent
+    expression u0``), and dynamo splits the step inside the loss; its mean also asks whether the input is
+    empty. A Python kernel, used only while tracing and only for such a call, computes what torch's does:
+    ``-(log_softmax(x) * t [* w])`` summed over the classes, or over everything (``sum``), or that sum over
+    the number of rows (``mean``; 0/0 = nan for an empty batch, as torch gives), label smoothing applied to
+    the targets first. Any other call is torch's own kernel."""
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.cross_entropy_loss.default
+    key = DispatchKey.CompositeImplicitAutograd
+    if key in op.py_kernels:
+        return
+
+    def cross_entropy_loss(self, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+        if (not free_unbacked_symbols(self.shape) or not target.is_floating_point() or target.dim() != self.dim()
+                or self.dim() == 0):
+            return op._op_dk(key, self, target, weight, reduction, ignore_index, label_smoothing)  # torch's own
+        for want, got in zip(self.shape, target.shape):  # one check per size: no guard on a tuple
+            torch._check(got == want, lambda: f"Expected target size {tuple(self.shape)}, got {tuple(target.shape)}")
+        torch._check(ignore_index < 0, lambda: "ignore_index is not supported for floating point target")
+        torch._check(0.0 <= label_smoothing <= 1.0,
+                     lambda: f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+        class_dim = 0 if self.dim() == 1 else 1
+        n_classes = self.shape[class_dim]
+        if label_smoothing > 0.0:
+            target = target * (1 - label_smoothing) + label_smoothing / n_classes
+        prod = torch.log_softmax(self, class_dim) * target
+        if weight is not None:
+            shape = [1] * self.dim()
+            shape[class_dim] = n_classes
+            prod = prod * weight.view(shape)
+        if reduction == 0:
+            return -prod.sum(class_dim)
+        if reduction == 2:
+            return -prod.sum()
+        return -prod.sum() / (self.numel() // n_classes)
+
+    op.py_impl(key)(cross_entropy_loss)
 
 
 def size_oblivious_global_avg_pool() -> None:

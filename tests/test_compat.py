@@ -1,4 +1,5 @@
 """The fixes dpcompile adds to older torch releases."""
+import contextlib
 import inspect
 
 import pytest
@@ -159,6 +160,40 @@ def test_k_dimensional_cross_entropy_traces_whole_with_an_unbacked_batch():
         dpcompile.mark_batch(logits, y)
         got = torch.compile(loss, backend="eager", fullgraph=True)(logits, y)  # fullgraph: a break raises
         torch.testing.assert_close(got, loss(logits, y), equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("form", ["2d", "k_dim", "weight_smoothing"])
+def test_probability_target_cross_entropy_traces_whole_with_an_unbacked_batch(reduction, form):
+    """F.cross_entropy with probability targets asks torch 2.11 for a plain size of the input: with an
+    unbacked batch dynamo would graph-break inside the loss (the sharded one_hot_targets case on the GPU
+    machine). With the Python kernel: one graph for batches of 3, 0 and 1, the values and input gradients
+    of torch's own (nan for the mean of an empty batch, as torch)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dpcompile.compat import size_oblivious_prob_cross_entropy
+
+    size_oblivious_prob_cross_entropy()
+    weight = torch.rand(5) + 0.5 if form == "weight_smoothing" else None
+    smoothing = 0.2 if form == "weight_smoothing" else 0.0
+
+    def loss(logits, t):
+        return F.cross_entropy(logits, t, weight=weight, reduction=reduction, label_smoothing=smoothing)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="eager", fullgraph=True)  # fullgraph: a break raises
+    for n in (3, 0, 1):
+        shape = (n, 5, 4) if form == "k_dim" else (n, 5)
+        logits, t = torch.randn(shape, requires_grad=True), torch.randn(shape).softmax(1)
+        eager_logits = logits.detach().clone().requires_grad_()
+        dpcompile.mark_batch(logits, t)
+        got, want = compiled(logits, t), loss(eager_logits, t)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        if n and reduction != "none":
+            got.backward()
+            want.backward()
+            torch.testing.assert_close(logits.grad, eager_logits.grad)
 
 
 def test_global_average_pool_of_a_channel_last_map_traces_whole_with_an_unbacked_batch():
@@ -462,7 +497,7 @@ def _attention_step(schedule, batches=(3, 1)):
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch):
+def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch, request):
     """Inductor's reshape indexing of MultiheadAttention's head split asserted that the unbacked batch is 1
     (torch 2.13, stock torch.compile too): the step failed at its first call. With
     reshape_indexer_refuses_unbacked_guesses the view is indexed for every batch size and the step is exact.
@@ -472,7 +507,10 @@ def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch):
 
     from dpcompile import backend
 
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # the views are lowered anew
+    # the views are lowered anew; config.patch, not monkeypatch: torch 2.11's config module takes the attribute back wrongly
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(force_disable_caches=True))
+    request.addfinalizer(stack.close)
     _attention_step(schedule)
     fixed = inspect.getattr_static(View, "_dynamic_reshape_indexer").__func__
     if getattr(fixed, "_dpcompile_guarded", False):
@@ -482,7 +520,7 @@ def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch):
             _attention_step(schedule, batches=(3,))
 
 
-def test_convolution_backward_fake_layout_follows_the_input(monkeypatch):
+def test_convolution_backward_fake_layout_follows_the_input(monkeypatch, request):
     """torch 2.11's fake convolution_backward lays the input gradient out as the output gradient (its kernels:
     as the input). That rule installed here (on a torch that has it, a no-op): the channels-last step stops at
     Inductor's stride assert; with conv_backward_layout_as_input it is exact."""
@@ -505,7 +543,10 @@ def test_convolution_backward_fake_layout_follows_the_input(monkeypatch):
                 gw if gw is None else gw.to(memory_format=layout(input, grad_output)), gb)
 
     libs = [torch.library.Library("aten", "IMPL")]
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # the layouts are traced anew
+    # the layouts are traced anew; config.patch, not monkeypatch: torch 2.11's config module takes the attribute back wrongly
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(force_disable_caches=True))
+    request.addfinalizer(stack.close)
     try:
         monkeypatch.setitem(op.py_kernels, DispatchKey.Meta, as_grad_output)
         op._dispatch_cache.clear()

@@ -71,10 +71,6 @@ def _sharded_runs():
 
 
 SHARDED_RUNS = _sharded_runs()
-TORCH_2_13 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-# cases whose sharded step torch 2.11 cannot trace whole (the function the refusal names): F.one_hot's targets in
-# F.cross_entropy, on torch 2.11.0 (the GPU machine's), after dpcompile.compat's one_hot kernel
-REFUSED_BEFORE_2_13 = {"one_hot_targets": "one_hot_ce"}
 # Under pytest-xdist (--dist loadgroup, as benchmarks/gpu_tests.sh runs it) the runs are split into these
 # groups, one process group each on its own worker; a plain run does them all in one process group
 # (spawning the ranks is the slow part, so CI pays it once).
@@ -111,13 +107,6 @@ def test_sharded_matches_single_process_reference(case, schedule, form, sharded_
     """Per-rank batches (0, 3), (1, 4), (5, 3), (0, 0) of different data, one graph, plain torch.compile or
     private_step with no other call: each rank's gathered gradient equals the float64 oracle on the
     concatenated batch (some samples clipped, some not)."""
-    if case in REFUSED_BEFORE_2_13 and not TORCH_2_13:
-        # torch 2.11 breaks the graph in the loss for an unbacked batch size (GPU machine's run; not 2.13):
-        # the step is refused with a DPCompileError naming the break, never compiled in parts
-        for rank, results in enumerate(sharded_results(case)):
-            error = results[f"{case}-{schedule}-{form}"]["error"] or ""
-            assert "DPCompileError: dp_fsdp:" in error and REFUSED_BEFORE_2_13[case] in error, f"rank {rank}:\n{error}"
-        return
     for rank, results in enumerate(sharded_results(case)):
         r = results[f"{case}-{schedule}-{form}"]
         assert r["error"] is None, f"rank {rank}:\n{r['error']}"

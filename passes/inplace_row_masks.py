@@ -112,7 +112,10 @@ def inplace_row_masks_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMo
         m.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", ROW_MASK)})
         m.meta["val"] = None
         node.replace_all_uses_with(x)
+        zero = node.args[2]
         graph.erase_node(node)
+        if isinstance(zero, fx.Node) and zero.target is aten.scalar_tensor.default and not zero.users:
+            graph.erase_node(zero)  # the masked value's 0, now read by nothing (no DCE runs after this pass)
         ctx.counters["row_masks_in_place"] += 1
         changed = True
     if changed:

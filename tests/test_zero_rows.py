@@ -118,6 +118,8 @@ def test_a_buffer_shared_with_a_graph_input_is_masked_by_a_copy():
     ctx = types.SimpleNamespace(counters=collections.Counter())
     gm = inplace_row_masks_pass(gm, ctx)
     assert ctx.counters == {"row_masks_in_place": 3, "row_masks_copied": 3}, ctx.counters
+    zeros = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.scalar_tensor.default)
+    assert zeros and all(z.users for z in zeros), zeros  # the masks' zeros of the copied wheres only
     given = a.clone()
     got = gm(given, keep)
     for g, w in zip(got, want):

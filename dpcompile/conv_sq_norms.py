@@ -132,7 +132,12 @@ _LIB.impl("conv_weight_grads", conv_weight_grads, "CompositeExplicitAutograd")
 def _(e, x, weight_shape, stride, padding, dilation, groups, rows):
     B = e.shape[0] // rows
     return (e.new_empty([B, parts(weight_shape, groups, kernel_dtype(e.dtype, x.dtype))], dtype=torch.float32),
-            e.new_empty([B, weight_shape[0], math.prod(weight_shape[1:])], dtype=grads_dtype(e.dtype, x.dtype)))
+            e.new_empty(grads_shape(B, weight_shape), dtype=grads_dtype(e.dtype, x.dtype)))
+
+
+def grads_shape(B, weight_shape: list[int]) -> list:
+    """The kept gradients' shape: a [Cout, K * Cin/groups] row block per sample (the fake, aten and kernel agree)."""
+    return [B, weight_shape[0], math.prod(weight_shape[1:])]
 
 
 def grads_dtype(e_dtype: torch.dtype, x_dtype: torch.dtype) -> torch.dtype:
@@ -154,7 +159,7 @@ def _aten(e, x, weight_shape, stride, padding, dilation, groups, rows, keep: boo
     B = e.shape[0] // rows
     out = torch.zeros(B, parts(weight_shape, groups, kernel_dtype(e.dtype, x.dtype)), dtype=torch.float32,
                       device=e.device)
-    grads = torch.empty(B, weight_shape[0], math.prod(weight_shape[1:]), dtype=grads_dtype(e.dtype, x.dtype),
+    grads = torch.empty(grads_shape(B, weight_shape), dtype=grads_dtype(e.dtype, x.dtype),
                         device=e.device) if keep else None
     if B == 0:
         return (out, grads) if keep else out
@@ -200,8 +205,7 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
         _PLANS, key, lambda: _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config,
                                    keep))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=e.device)
-    grads = torch.empty(B, weight_shape[0], math.prod(weight_shape[1:]), dtype=torch.float32,
-                        device=e.device) if keep else None
+    grads = torch.empty(grads_shape(B, weight_shape), dtype=torch.float32, device=e.device) if keep else None
     if B:
         from dpcompile import triton_kernels
 

@@ -161,24 +161,46 @@ def _wrap_once(owner, name: str, wrap) -> None:
 
 
 @contextlib.contextmanager
-def unbacked_size_hints(sizevars):
-    """Within the block, ``sizevars.size_hint`` answers unbacked expressions
-    with ``optimization_hint`` (the user's hint_override, else Inductor's
-    fallback) instead of raising; other expressions are answered as before."""
+def unbacked_size_hints(sizevars, method: str = "size_hint"):
+    """Within the block, ``sizevars.<method>`` (``size_hint``, which raises on unbacked expressions, or
+    ``symbolic_hint``, which leaves them symbolic) answers an expression with unbacked symbols with
+    ``optimization_hint`` (the user's hint_override, else Inductor's fallback), as newer torch asks;
+    other expressions are answered as before."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    original = getattr(sizevars, "size_hint", None)
+    original = getattr(sizevars, method, None)
 
-    def size_hint(expr, *args, **kwargs):
+    def hint(expr, *args, **kwargs):
         if original is None or (not args and not kwargs and free_unbacked_symbols(expr)):
             return sizevars.optimization_hint(expr)
         return original(expr, *args, **kwargs)
 
-    sizevars.size_hint = size_hint
+    setattr(sizevars, method, hint)
     try:
         yield
     finally:
-        del sizevars.size_hint  # the class's method again
+        delattr(sizevars, method)  # the class's method again
+
+
+def _hinted_where_torch_is_older(owner, name: str, markers: tuple[str, ...], method: str) -> None:
+    """owner.name runs under unbacked_size_hints(V.graph.sizevars, method) where its source still has every
+    marker (the older torch's flat question); nothing where torch asks for an optimization hint already."""
+    def wrap(original):
+        try:
+            source = inspect.getsource(original)
+        except (OSError, TypeError):
+            return None
+        if not all(m in source for m in markers):
+            return None
+
+        def hinted(self, *args, **kwargs):
+            from torch._inductor.virtualized import V
+
+            with unbacked_size_hints(V.graph.sizevars, method):
+                return original(self, *args, **kwargs)
+        return hinted
+
+    _wrap_once(owner, name, wrap)
 
 
 def hint_mix_order_split() -> None:
@@ -190,45 +212,8 @@ def hint_mix_order_split() -> None:
         from torch._inductor.codegen.simd import SIMDScheduling
     except ImportError:
         return
-
-    def wrap(original):
-        try:
-            source = inspect.getsource(original)
-        except (OSError, TypeError):
-            return None
-        if "sizevars.size_hint(numel)" not in source:
-            return None  # this torch asks for an optimization hint already
-
-        def codegen(self, *args, **kwargs):
-            from torch._inductor.virtualized import V
-
-            with unbacked_size_hints(V.graph.sizevars):
-                return original(self, *args, **kwargs)
-        return codegen
-
-    _wrap_once(SIMDScheduling, "_codegen_mix_order_reduction", wrap)
-
-
-@contextlib.contextmanager
-def unbacked_symbolic_hints(sizevars):
-    """Within the block, ``sizevars.symbolic_hint`` answers an expression with unbacked symbols (which it
-    leaves symbolic) with ``optimization_hint`` (the user's hint_override, else Inductor's fallback), as
-    newer torch's Triton codegen asks for its size hints; other expressions as before."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    original = sizevars.symbolic_hint
-
-    def symbolic_hint(expr, *args, **kwargs):
-        hint = original(expr, *args, **kwargs)
-        if not args and not kwargs and free_unbacked_symbols(hint):
-            return sizevars.optimization_hint(expr)
-        return hint
-
-    sizevars.symbolic_hint = symbolic_hint
-    try:
-        yield
-    finally:
-        del sizevars.symbolic_hint  # the class's method again
+    _hinted_where_torch_is_older(SIMDScheduling, "_codegen_mix_order_reduction", ("sizevars.size_hint(numel)",),
+                                 "size_hint")
 
 
 def hint_kernel_size_hints() -> None:
@@ -241,23 +226,8 @@ def hint_kernel_size_hints() -> None:
         from torch._inductor.codegen.triton import TritonKernel
     except ImportError:
         return
-
-    def wrap(original):
-        try:
-            source = inspect.getsource(original)
-        except (OSError, TypeError):
-            return None
-        if "size_hint = 8192" not in source or "symbolic_hint(numel)" not in source:
-            return None  # this torch asks for an optimization hint already
-
-        def codegen_kernel(self, *args, **kwargs):
-            from torch._inductor.virtualized import V
-
-            with unbacked_symbolic_hints(V.graph.sizevars):
-                return original(self, *args, **kwargs)
-        return codegen_kernel
-
-    _wrap_once(TritonKernel, "codegen_kernel", wrap)
+    _hinted_where_torch_is_older(TritonKernel, "codegen_kernel", ("size_hint = 8192", "symbolic_hint(numel)"),
+                                 "symbolic_hint")
 
 
 def hint_fusion_scores(*, force: bool = False) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 import dpcompile
 from dpcompile.compat import (guard_empty_y_grid, hint_fusion_scores, hint_kernel_size_hints, hint_mix_order_split,
-                              unbacked_size_hints, unbacked_symbolic_hints)
+                              unbacked_size_hints)
 
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
 
@@ -51,7 +51,7 @@ def test_unbacked_symbolic_hints_use_the_hint_override_and_leave_other_sizes_alo
     u, v = env.create_unbacked_symint().node.expr, env.create_unbacked_symint().node.expr
     env.var_to_hint_override[u] = 3
     sizevars = OlderSizeVars(env)
-    with unbacked_symbolic_hints(sizevars):
+    with unbacked_size_hints(sizevars, "symbolic_hint"):
         assert sizevars.symbolic_hint(u * 1024) == 3 * 1024  # the kernel is tuned for the hinted batch
         assert sizevars.symbolic_hint(sympy.Integer(7 * 64)) == 448
         assert int(sizevars.symbolic_hint(v * 2)) > 2  # no hint: Inductor's fallback, a number all the same
@@ -59,24 +59,18 @@ def test_unbacked_symbolic_hints_use_the_hint_override_and_leave_other_sizes_alo
     assert sizevars.symbolic_hint(u * 1024) == u * 1024
 
 
-def test_kernel_size_hints_patch_only_where_torch_still_hints_8192():
-    triton_codegen = pytest.importorskip("torch._inductor.codegen.triton")
-    hint_kernel_size_hints()
-    fn = triton_codegen.TritonKernel.codegen_kernel
+@pytest.mark.parametrize("module,owner,name,install,marker", [
+    ("torch._inductor.codegen.triton", "TritonKernel", "codegen_kernel", hint_kernel_size_hints, "size_hint = 8192"),
+    ("torch._inductor.codegen.simd", "SIMDScheduling", "_codegen_mix_order_reduction", hint_mix_order_split,
+     "sizevars.size_hint(numel)"),
+])
+def test_hint_patches_only_where_torch_still_asks_the_flat_question(module, owner, name, install, marker):
+    """Each patch is installed on a torch whose code still has the older question, and only there."""
+    cls = getattr(pytest.importorskip(module), owner)
+    install()
+    fn = getattr(cls, name)
     original = getattr(fn, "_dpcompile_original", fn)
-    flat = "size_hint = 8192" in inspect.getsource(original)
-    assert getattr(fn, "_dpcompile_guarded", False) == flat
-
-
-def test_mix_order_split_patch_only_where_torch_still_asks_size_hint():
-    import inspect
-
-    simd = pytest.importorskip("torch._inductor.codegen.simd")
-    hint_mix_order_split()
-    fn = simd.SIMDScheduling._codegen_mix_order_reduction
-    original = getattr(fn, "_dpcompile_original", fn)
-    asks_size_hint = "sizevars.size_hint(numel)" in inspect.getsource(original)
-    assert getattr(fn, "_dpcompile_guarded", False) == asks_size_hint
+    assert getattr(fn, "_dpcompile_guarded", False) == (marker in inspect.getsource(original))
 
 
 def _scheduled_nodes(step, x, hint, monkeypatch) -> int:

@@ -109,13 +109,13 @@ type; any other value still raises there.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import sys
 
 _done = False
-_mix_order_done = False
 _fusion_scores_done = False
-_kernel_size_hints_done = False
+_hinted: set[str] = set()  # the codegen methods _hinted_where_torch_is_older has looked at
 
 
 def guard_empty_y_grid() -> None:
@@ -182,9 +182,19 @@ def unbacked_size_hints(sizevars, method: str = "size_hint"):
         delattr(sizevars, method)  # the class's method again
 
 
-def _hinted_where_torch_is_older(owner, name: str, markers: tuple[str, ...], method: str) -> None:
-    """owner.name runs under unbacked_size_hints(V.graph.sizevars, method) where its source still has every
-    marker (the older torch's flat question); nothing where torch asks for an optimization hint already."""
+def _hinted_where_torch_is_older(module: str, owner: str, name: str, markers: tuple[str, ...], method: str) -> None:
+    """module.owner.name runs under unbacked_size_hints(V.graph.sizevars, method) where its source still has
+    every marker (the older torch's flat question); nothing where torch asks for an optimization hint already.
+    Looked at once per process (the backend asks at every compile)."""
+    key = f"{module}.{owner}.{name}"
+    if key in _hinted:
+        return
+    _hinted.add(key)
+    try:
+        cls = getattr(importlib.import_module(module), owner)
+    except (ImportError, AttributeError):
+        return
+
     def wrap(original):
         try:
             source = inspect.getsource(original)
@@ -200,34 +210,19 @@ def _hinted_where_torch_is_older(owner, name: str, markers: tuple[str, ...], met
                 return original(self, *args, **kwargs)
         return hinted
 
-    _wrap_once(owner, name, wrap)
+    _wrap_once(cls, name, wrap)
 
 
 def hint_mix_order_split() -> None:
-    global _mix_order_done
-    if _mix_order_done:
-        return
-    _mix_order_done = True
-    try:
-        from torch._inductor.codegen.simd import SIMDScheduling
-    except ImportError:
-        return
-    _hinted_where_torch_is_older(SIMDScheduling, "_codegen_mix_order_reduction", ("sizevars.size_hint(numel)",),
-                                 "size_hint")
+    """On a torch whose mix-order reduction codegen asks size_hint of an unbacked size (it raises), ask it the hint."""
+    _hinted_where_torch_is_older("torch._inductor.codegen.simd", "SIMDScheduling", "_codegen_mix_order_reduction",
+                                 ("sizevars.size_hint(numel)",), "size_hint")
 
 
 def hint_kernel_size_hints() -> None:
     """On a torch whose Triton codegen hints every unbacked kernel dim as 8192, hint it as newer torch does."""
-    global _kernel_size_hints_done
-    if _kernel_size_hints_done:
-        return
-    _kernel_size_hints_done = True
-    try:
-        from torch._inductor.codegen.triton import TritonKernel
-    except ImportError:
-        return
-    _hinted_where_torch_is_older(TritonKernel, "codegen_kernel", ("size_hint = 8192", "symbolic_hint(numel)"),
-                                 "symbolic_hint")
+    _hinted_where_torch_is_older("torch._inductor.codegen.triton", "TritonKernel", "codegen_kernel",
+                                 ("size_hint = 8192", "symbolic_hint(numel)"), "symbolic_hint")
 
 
 def hint_fusion_scores(*, force: bool = False) -> None:

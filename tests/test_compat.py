@@ -1,5 +1,4 @@
 """The fixes dpcompile adds to older torch releases."""
-import contextlib
 import inspect
 
 import pytest
@@ -9,6 +8,16 @@ from dpcompile.compat import (guard_empty_y_grid, hint_fusion_scores, hint_kerne
                               unbacked_size_hints)
 
 th = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+
+
+@pytest.fixture
+def inductor_caches_off():
+    """Inductor compiles anew (the patched lowering or fake rules are what the test checks). config.patch, not
+    monkeypatch: torch 2.11's config module takes a monkeypatched attribute back wrongly."""
+    import torch
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
 
 
 @pytest.mark.skipif(not hasattr(th, "Grid2DWithYZOverflow"), reason="this torch has no y-grid overflow grid")
@@ -491,7 +500,7 @@ def _attention_step(schedule, batches=(3, 1)):
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch, request):
+def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch, inductor_caches_off):
     """Inductor's reshape indexing of MultiheadAttention's head split asserted that the unbacked batch is 1
     (torch 2.13, stock torch.compile too): the step failed at its first call. With
     reshape_indexer_refuses_unbacked_guesses the view is indexed for every batch size and the step is exact.
@@ -501,10 +510,6 @@ def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch, reque
 
     from dpcompile import backend
 
-    # the views are lowered anew; config.patch, not monkeypatch: torch 2.11's config module takes the attribute back wrongly
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._inductor.config.patch(force_disable_caches=True))
-    request.addfinalizer(stack.close)
     _attention_step(schedule)
     fixed = inspect.getattr_static(View, "_dynamic_reshape_indexer").__func__
     if getattr(fixed, "_dpcompile_guarded", False):
@@ -514,7 +519,7 @@ def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch, reque
             _attention_step(schedule, batches=(3,))
 
 
-def test_convolution_backward_fake_layout_follows_the_input(monkeypatch, request):
+def test_convolution_backward_fake_layout_follows_the_input(monkeypatch, inductor_caches_off):
     """torch 2.11's fake convolution_backward lays the input gradient out as the output gradient (its kernels:
     as the input). That rule installed here (on a torch that has it, a no-op): the channels-last step stops at
     Inductor's stride assert; with conv_backward_layout_as_input it is exact."""
@@ -537,10 +542,6 @@ def test_convolution_backward_fake_layout_follows_the_input(monkeypatch, request
                 gw if gw is None else gw.to(memory_format=layout(input, grad_output)), gb)
 
     libs = [torch.library.Library("aten", "IMPL")]
-    # the layouts are traced anew; config.patch, not monkeypatch: torch 2.11's config module takes the attribute back wrongly
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._inductor.config.patch(force_disable_caches=True))
-    request.addfinalizer(stack.close)
     try:
         monkeypatch.setitem(op.py_kernels, DispatchKey.Meta, as_grad_output)
         op._dispatch_cache.clear()

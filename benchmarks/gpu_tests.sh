@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_tests.sh [single|nccl|all] [more pytest arguments]
 #
 #   single  every test except the multi-GPU NCCL ones (one GPU is enough), in parallel with
-#           pytest-xdist; the sharded matrix of tests/test_fsdp.py splits into 5 process groups
+#           pytest-xdist; the multi-rank tests share their spawned ranks in a few process groups (tests/ranks.py)
 #   nccl    the NCCL tests (tests/test_fsdp.py -k nccl, one per model): 2 GPUs, 4 for the 4-rank ones;
 #           NCCL_WORKERS (default 4) of them at a time
 #   all     both (the default)

@@ -13,13 +13,71 @@ from torch.distributed.device_mesh import init_device_mesh
 import cases
 import dpcompile
 import models as M
-from reference import dp_reference
+from reference import clip_and_sum, dp_reference, per_sample_gradients
 
 
-def _init(rank, world, init_file, mesh_shape=None):
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    return init_device_mesh("cpu", tuple(mesh_shape or (world,)))
+_SHARED_GROUP = [False]  # dist_worker.jobs is running: one process group for all of its test bodies
+
+
+def _init(rank, world, init_file, mesh_shape=None, mesh_dim_names=None):
+    """A test body's process group (the one dist_worker.jobs made, when it runs the body) and its device mesh."""
+    import datetime
+
+    if not _SHARED_GROUP[0]:
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        # a collective one rank never reaches fails the test after 5 minutes instead of hanging the run (a rank
+        # compiling while the other waits for it takes less)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+    return init_device_mesh("cpu", tuple(mesh_shape or (world,)), mesh_dim_names=mesh_dim_names)
+
+
+def _finish():
+    """The end of a test body: its process group goes, unless dist_worker.jobs runs more bodies on it."""
+    if not _SHARED_GROUP[0]:
+        dist.destroy_process_group()
+
+
+def jobs(rank, world, init_file, out_dir, specs):
+    """Several tests' bodies on one spawned process group, one after another (spawning the ranks is the slow
+    part of a small test; torch cannot make a second default process group in a process: its device meshes
+    keep resolving the first). specs: {job: (function name in this module, keyword arguments)}; each job gets
+    its own output folder out_dir/job, starts from a fresh dynamo and from the Inductor settings and module
+    globals the ranks started with, and leaves its traceback in error<rank>.txt if it raises. The jobs after
+    one that raised do not run (the ranks may no longer agree on their collectives): each says so."""
+    import traceback
+
+    from torch._inductor import config as inductor_config
+
+    from dpcompile import bucketing
+    from dpcompile.passes import aligned_contractions
+
+    _init(rank, world, init_file)
+    _SHARED_GROUP[0] = True
+    globals_ = [(bucketing, "_SET_BY"), (aligned_contractions, "PAD_DEVICES"), (aligned_contractions, "ALIGNMENT")]
+    start = ([list(v) if isinstance(v := getattr(m, k), list) else v for m, k in globals_],
+             inductor_config.get_config_copy())
+    failed = None
+    for job, (fn, kwargs) in specs.items():
+        job_dir = os.path.join(out_dir, job)
+        os.makedirs(job_dir, exist_ok=True)
+        if failed:
+            with open(os.path.join(job_dir, f"error{rank}.txt"), "w") as f:
+                f.write(f"not run: job {failed!r} before it on these ranks raised")
+            continue
+        torch._dynamo.reset()
+        try:
+            globals()[fn](rank, world, init_file, out_dir=job_dir, **kwargs)
+        except Exception:  # noqa: BLE001 - reported to the job's test
+            failed = job
+            with open(os.path.join(job_dir, f"error{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc()[-4000:])
+        finally:
+            for (m, k), v in zip(globals_, start[0]):
+                setattr(m, k, list(v) if isinstance(v, list) else v)
+            inductor_config.load_config(start[1])
+    _SHARED_GROUP[0] = False
+    _finish()
 
 
 def make(case):
@@ -90,7 +148,7 @@ def correctness(rank, world, init_file, case, schedule, sizes, reshard_after_for
 
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({k: v for k, v in report.items() if k not in ("model", "step")}, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def _correct(mesh, rank, world, case, schedule, sizes, reshard_after_forward=True, **options):
@@ -165,7 +223,7 @@ def hybrid(rank, world, init_file, out_dir):
                os.path.join(out_dir, f"hnoise{rank}.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({s: {k: v for k, v in r.items() if k not in ("model", "step")} for s, r in reports.items()}, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 # per-rank batch sizes of the steps every sharded case runs: an empty rank, a one-sample rank, uneven, no samples
@@ -195,15 +253,10 @@ def every_case(rank, world, init_file, out_dir, runs):
     on the concatenated batch, clipping active, bad samples dropped and counted. One graph must serve all
     the steps. Results (or the error) per run go to a JSON file per rank.
     """
-    import datetime
     import json
     import traceback
 
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    # a collective one rank never reaches fails the case after 2 minutes instead of hanging the run
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = _init(rank, world, init_file)
     results = {}
     for n, (name, schedule, form) in enumerate(runs):
         torch._dynamo.reset()
@@ -214,7 +267,7 @@ def every_case(rank, world, init_file, out_dir, runs):
             results[f"{name}-{schedule}-{form}"] = {"error": traceback.format_exc()[-4000:]}
     with open(os.path.join(out_dir, f"cases{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def _sharded_case(case, mesh, rank, schedule, form, seed):
@@ -224,8 +277,9 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     n_in = len(batches[0][0])
     model = case.model()  # after the data: a model built from its first batch (cases.side_by_side)
     ref_model = copy.deepcopy(model)
-    _, norms = dp_reference(ref_model, case.loss, tuple(every[:n_in]), tuple(every[n_in:]), max_grad_norm=1.0,
-                            reduction=case.reduction, expected_batch_size=9)
+    # every step's samples' gradients in one oracle call (the steps' references slice them; CI time)
+    every_grads = per_sample_gradients(ref_model, case.loss, tuple(every[:n_in]), tuple(every[n_in:]))
+    _, norms = clip_and_sum(every_grads, max_grad_norm=1.0, reduction=case.reduction, expected_batch_size=9)
     C = cases.finite_median(norms)  # over the samples of all steps: some clipped, some not
     shard_like_a_user(model, mesh)
     options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule, seed=seed)
@@ -250,7 +304,7 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     for m, k, v in patches:
         setattr(m, k, v)
     try:
-        return _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches)
+        return _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, every_grads)
     finally:
         for m, k, v in saved:
             setattr(m, k, v)
@@ -262,8 +316,9 @@ def _buffers(model) -> dict:
             for n, b in model.named_buffers()}
 
 
-def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
+def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, every_grads):
     start = time.time()
+    first = 0  # the step's first sample among every_grads' rows
 
     def step(inputs, targets):
         per_sample = case.loss(model(*inputs), *targets)
@@ -307,9 +362,12 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches):
         got = backend.dropped_samples()
         assert got == bad_here, (sizes, rank, got)
         if sum(sizes):
-            ref, n = dp_reference(ref_model, case.loss, inputs, targets, max_grad_norm=C, reduction=case.reduction,
-                                  expected_batch_size=9)
+            # a model that updated its buffers: the oracle from the buffers this step started from
+            grads = per_sample_gradients(ref_model, case.loss, inputs, targets) if stateful else \
+                {name: g[first: first + sum(sizes)] for name, g in every_grads.items()}
+            ref, n = clip_and_sum(grads, max_grad_norm=C, reduction=case.reduction, expected_batch_size=9)
             clipped, unclipped = clipped + int((n > C).sum()), unclipped + int((n < C).sum())
+        first += sum(sizes)
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 assert p.grad is None, f"frozen {name} got a gradient"
@@ -361,7 +419,7 @@ def noise(rank, world, init_file, out_dir, seed):
     noisy, noisy_local = run(2.0, 30)
     local = {n: noisy_local[n] - clean_local[n] for n in noisy_local}
     torch.save({"z": noisy - clean, "local": local}, os.path.join(out_dir, f"noise{rank}.pt"))
-    dist.destroy_process_group()
+    _finish()
 
 
 def cross_entropy_mean(rank, world, init_file, out_dir):
@@ -419,7 +477,7 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
             results[schedule] = {"error": traceback.format_exc()[-3000:]}
     with open(os.path.join(out_dir, f"ce{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def bad_inputs(rank, world, init_file, out_dir):
@@ -549,7 +607,7 @@ def bad_inputs(rank, world, init_file, out_dir):
     results["running_statistic_untouched"] = bool((running.running_mean == 0).all())
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 class _GatedMLP(torch.nn.Module):
@@ -605,7 +663,7 @@ def unmarked_batch(rank, world, init_file, out_dir):
         err = str(e)
     with open(os.path.join(out_dir, f"unmarked{rank}.json"), "w") as f:
         json.dump({"error": err}, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def _anchor_gpt():
@@ -728,7 +786,7 @@ def correctness_nccl_bf16(rank, world, init_file, out_dir, case):
     if rank == 0:
         with open(os.path.join(out_dir, f"nccl_bf16_{world}_{case}.json"), "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def checkpoint_resume(rank, world, init_file, out_dir):
@@ -767,7 +825,7 @@ def checkpoint_resume(rank, world, init_file, out_dir):
         error = traceback.format_exc()[-4000:]
     with open(os.path.join(out_dir, f"ckpt{rank}.json"), "w") as f:
         json.dump({"error": error}, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def _tp_plan(case):
@@ -800,9 +858,7 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler, d
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    mesh = _init(rank, world, init_file, (dp, world // dp), ("dp", "tp"))
     tp_mesh, dp_rank = mesh["tp"], mesh["dp"].get_local_rank()
     model, loss_fn, vocab = make(case)
     ref_model = copy.deepcopy(model)
@@ -830,7 +886,7 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler, d
                 refused = str(e)
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
                 json.dump({"refused": refused}, f)
-            dist.destroy_process_group()
+            _finish()
             return
         shard_like_a_user(model, mesh["dp"])
 
@@ -870,7 +926,7 @@ def tensor_parallel(rank, world, init_file, out_dir, case, schedule, compiler, d
                    "under_norm_all_reduce": [op for op, _ in under], "norm_all_reduce": [str(s) for s in norm_shape],
                    "kinds": kinds, "noise": noise, "std": sigma * C / ebs, "batch": len(mine), "dp_rank": dp_rank,
                    "tp_rank": tp_mesh.get_local_rank()}, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def restart(rank, world, init_file, out_dir, layout, schedule, run):
@@ -910,7 +966,7 @@ def restart(rank, world, init_file, out_dir, layout, schedule, run):
         json.dump({"cache": [r.cache for r in rec], "counters": [r.counters for r in rec],
                    "streams": [r.noise_index_ranks for r in rec],
                    "grads": {n: local(p.grad).flatten().tolist() for n, p in model.named_parameters()}}, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def mixed_precision_casts(rank, world, init_file, out_dir):
@@ -951,7 +1007,7 @@ def mixed_precision_casts(rank, world, init_file, out_dir):
                        for n, p in model.named_parameters()}
     with open(os.path.join(out_dir, f"mp{rank}.json"), "w") as f:
         json.dump(report, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def eager_guard(rank, world, init_file, out_dir):
@@ -964,7 +1020,7 @@ def eager_guard(rank, world, init_file, out_dir):
     with open(os.path.join(out_dir, f"guard{rank}.json"), "w") as f:
         json.dump(report, f)
     if world > 1:
-        dist.destroy_process_group()
+        _finish()
 
 
 def eager_guard_report(mesh, device="cpu"):

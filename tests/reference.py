@@ -24,6 +24,14 @@ def dp_reference(
     """Returns (clipped gradient dict in float64, per-sample norms [B]).
 
     A sample whose gradient is not finite (its norm is inf or NaN) is dropped: it contributes zero."""
+    g = per_sample_gradients(model, per_sample_loss, inputs, targets, forward=forward, loop=loop)
+    return clip_and_sum(g, max_grad_norm=max_grad_norm, reduction=reduction, expected_batch_size=expected_batch_size,
+                        eps=eps)
+
+
+def per_sample_gradients(model, per_sample_loss, inputs, targets, *, forward=None, loop=False) -> dict:
+    """Each trainable parameter's per-sample gradients [B, *shape] in float64 (see dp_reference). A sample's
+    gradient does not depend on the others in its batch: several steps' references can share one call."""
     ref = copy.deepcopy(model).double()
     params = {k: v.detach() for k, v in ref.named_parameters() if v.requires_grad}
     frozen = {k: v.detach() for k, v in ref.named_parameters() if not v.requires_grad}
@@ -74,10 +82,14 @@ def dp_reference(
             if not any(m in str(exc) for m in ("batch", "shape", "saved tensor hooks", "vmap support",
                                                "data-dependent control flow", "proper Tensor but got None")):
                 raise
-            return dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=max_grad_norm,
-                                reduction=reduction, expected_batch_size=expected_batch_size, eps=eps,
-                                forward=forward, loop=True)
-    B = inputs[0].shape[0]
+            return per_sample_gradients(model, per_sample_loss, inputs, targets, forward=forward, loop=True)
+    return g
+
+
+def clip_and_sum(g: dict, *, max_grad_norm: float, reduction: str = "mean", expected_batch_size: int | None = None,
+                 eps: float = 1e-6):
+    """dp_reference's result from per-sample gradients: (clipped gradient dict, per-sample norms [B])."""
+    B = next(iter(g.values())).shape[0]
     norms = torch.sqrt(sum(v.reshape(B, -1).pow(2).sum(1) for v in g.values()))
     keep = norms.isfinite()
     c = torch.where(keep, (max_grad_norm / (norms + eps)).clamp(max=1.0), 0.0)

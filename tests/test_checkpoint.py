@@ -14,7 +14,7 @@ import ckpt_run
 import dist_worker
 import dpcompile
 import models as M
-from test_fsdp import spawn
+from ranks import spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

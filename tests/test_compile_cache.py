@@ -151,7 +151,7 @@ def test_a_restart_of_a_sharded_or_tensor_parallel_step_hits_the_cache_on_every_
     """Two ranks share one cache folder, as on one machine: each reads back its own compile (ranks' graphs and
     noise streams differ), and the restarted job's noisy gradients are bitwise those of the first."""
     import dist_worker
-    from test_fsdp import _read, spawn
+    from ranks import read as _read, spawn
 
     for k, v in dict(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
                      TORCHINDUCTOR_AUTOGRAD_CACHE="1").items():

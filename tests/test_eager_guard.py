@@ -12,7 +12,7 @@ import dist_worker
 import dpcompile
 import models as M
 from helpers import compile_step
-from test_fsdp import spawn
+from ranks import spawn
 
 
 @pytest.fixture

@@ -1,34 +1,18 @@
 """Sharded DP on 2 gloo processes: exact gradients, collectives per phase, noise on shards."""
+import functools
 import json
 import os
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dist_worker
+from ranks import SharedRanks, spawn
+from ranks import read as _read
 from dpcompile.compat import dtensor_takes_unbacked_batch, meshes_are_graph_inputs
-from cases import SHARDED_CASES, SHARDED_EAGER_ONLY, check_case_invariants
+from cases import SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_INDUCTOR_ON_ONE_PROCESS, check_case_invariants
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
-
-
-def spawn(fn, *args, world=2, timeout=420):
-    init = tempfile.mktemp(prefix="dpcompile_init_")
-    ctx = mp.start_processes(fn, args=(world, init, *args), nprocs=world, join=False, start_method="spawn")
-    import time
-
-    deadline = time.time() + timeout
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError("ranks did not finish: a collective mismatch or deadlock")
-
-
-def _read(tmp, world=2, prefix="rank"):
-    return [json.load(open(os.path.join(tmp, f"{prefix}{r}.json"))) for r in range(world)]
 
 
 # Variants of a model that runs sharded with both schedules (a frozen part, LoRA, tied weights, the K-dim
@@ -49,7 +33,8 @@ def _sharded_runs():
     (the same graphs, op by op: what dpcompile rewrites is checked sharded in both schedules, Inductor's code
     for sharded graphs once per case, at a third of the CI time). Inductor runs alternate between the
     schedules and the ways from case to case; variants take the other compiler than their neighbour. A case
-    in cases.SHARDED_EAGER_ONLY runs bk op by op only (its reason there)."""
+    in cases.SHARDED_EAGER_ONLY runs bk op by op only, one in cases.SHARDED_INDUCTOR_ON_ONE_PROCESS both schedules
+    op by op (their reasons there)."""
     runs = []
     for i, name in enumerate(sorted(SHARDED_CASES)):
         forms = ("compile", "private_step") if i % 2 == 0 else ("private_step", "compile")
@@ -62,6 +47,8 @@ def _sharded_runs():
             runs.append((name, ("bk", "ghost")[v % 2], form))
             continue
         eager = ("", "+eager") if i // 2 % 2 == 0 else ("+eager", "")
+        if name in SHARDED_INDUCTOR_ON_ONE_PROCESS:
+            eager = ("+eager", "+eager")
         runs += [(name, "bk", forms[0] + eager[0]), (name, "ghost", forms[1] + eager[1])]
         if name == "gpt":
             runs += [(name, "bk", forms[1] + "+pad+eager"), (name, "ghost", forms[0] + "+pad+recompute")]
@@ -71,43 +58,63 @@ def _sharded_runs():
 
 
 SHARDED_RUNS = _sharded_runs()
-# Under pytest-xdist (--dist loadgroup, as benchmarks/gpu_tests.sh runs it) the runs are split into these
-# groups, one process group each on its own worker; a plain run does them all in one process group
-# (spawning the ranks is the slow part, so CI pays it once).
-# layer_kinds alone: its Inductor compile of every layer kind at once takes 4-5 minutes of a CI core.
+# The runs share their ranks (ranks.SharedRanks): under pytest-xdist (--dist loadgroup) one process group for
+# each of these groups, each on its own worker; a plain run runs them all in one process group.
+# layer_kinds alone: its two runs of every layer kind at once, op by op, take about 4 minutes of two CI cores.
 MATRIX_GROUPS = {"gpt": 0, "hf_gpt2": 1, "gpt_tied": 1, "vision_blocks": 1, "hf_llama": 2, "llama": 2, "llama_sum": 2,
-                 "layer_kinds": 4}
+                 "layer_kinds": 4}  # the others: 3
 
 
-def _matrix_group(case):
-    return MATRIX_GROUPS.get(case, 3) if os.environ.get("PYTEST_XDIST_WORKER") else 0
+def _matrix_job(case):
+    return f"group{MATRIX_GROUPS.get(case, 3)}"
 
 
-_MATRIX_RESULTS: dict = {}
+MATRIX = SharedRanks("matrix", {f"group{g}": (g, "every_case", dict(runs=[r for r in SHARDED_RUNS
+                                                                          if _matrix_job(r[0]) == f"group{g}"]))
+                                for g in range(5)})
 
 
 @pytest.fixture(scope="module")
-def sharded_results(tmp_path_factory):
-    """The results of a run's group, computed on first use (all runs of the group in one 2-rank group)."""
-    def results(case):
-        group = _matrix_group(case)
-        if group not in _MATRIX_RESULTS:
-            runs = [r for r in SHARDED_RUNS if _matrix_group(r[0]) == group]
-            out = tmp_path_factory.mktemp(f"sharded_cases{group}")
-            spawn(dist_worker.every_case, str(out), runs, timeout=2400)
-            _MATRIX_RESULTS[group] = _read(out, prefix="cases")
-        return _MATRIX_RESULTS[group]
-    return results
+def shared_matrix(tmp_path_factory):
+    return functools.partial(MATRIX.out_dir, tmp_path_factory=tmp_path_factory)
 
 
-@pytest.mark.parametrize("case,schedule,form", [
-    pytest.param(*run, marks=pytest.mark.xdist_group(f"matrix{MATRIX_GROUPS.get(run[0], 3)}")) for run in SHARDED_RUNS
-])
-def test_sharded_matches_single_process_reference(case, schedule, form, sharded_results):
+# Smaller 2-rank tests share their ranks too (ranks.SharedRanks): {job: (group, dist_worker function, keywords)}
+RANKS = SharedRanks("ranks", {
+    "collectives_gpt_bk": (0, "correctness", dict(case="gpt", schedule="bk", sizes=[3, 2], reshard_after_forward=True,
+                                                  bucket_mb="off")),
+    "collectives_llama_ghost": (0, "correctness", dict(case="llama", schedule="ghost", sizes=[3, 2],
+                                                       reshard_after_forward=True, bucket_mb="off")),
+    "padded": (0, "correctness", dict(case="gpt_odd", schedule="bk", sizes=[3, 2], reshard_after_forward=True,
+                                      pad_contractions=True)),
+    "bucketed_gpt_bk_16": (0, "correctness", dict(case="gpt", schedule="bk", sizes=[3, 2], reshard_after_forward=True,
+                                                  bucket_mb=16)),
+    "noise": (0, "noise", dict(seed=123)),
+    "bad_inputs": (0, "bad_inputs", {}),
+    "bucketed_llama_ghost_default": (1, "correctness", dict(case="llama", schedule="ghost", sizes=[3, 2],
+                                                            reshard_after_forward=True)),
+    "reshard_false": (1, "correctness", dict(case="gpt", schedule="bk", sizes=[2, 3], reshard_after_forward=False,
+                                             compiler="eager")),
+    "unmarked": (1, "unmarked_batch", {}),
+    "cross_entropy_mean": (1, "cross_entropy_mean", {}),
+    "input_gram": (1, "every_case", dict(runs=[("vision_blocks", "bk", "private_step+eager+input_gram"),
+                                               ("vision_blocks", "ghost", "compile+input_gram")])),
+})
+_ranks = RANKS.mark
+
+
+@pytest.fixture(scope="module")
+def shared_ranks(tmp_path_factory):
+    return functools.partial(RANKS.out_dir, tmp_path_factory=tmp_path_factory)
+
+
+@pytest.mark.parametrize("case,schedule,form", [pytest.param(*run, marks=MATRIX.mark(_matrix_job(run[0])))
+                                                 for run in SHARDED_RUNS])
+def test_sharded_matches_single_process_reference(case, schedule, form, shared_matrix):
     """Per-rank batches (0, 3), (1, 4), (5, 3), (0, 0) of different data, one graph, plain torch.compile or
     private_step with no other call: each rank's gathered gradient equals the float64 oracle on the
     concatenated batch (some samples clipped, some not)."""
-    for rank, results in enumerate(sharded_results(case)):
+    for rank, results in enumerate(_read(shared_matrix(_matrix_job(case)), prefix="cases")):
         r = results[f"{case}-{schedule}-{form}"]
         assert r["error"] is None, f"rank {rank}:\n{r['error']}"
         assert r["dp_graphs"] == 1, r  # one graph for every batch size, the same on every rank
@@ -137,13 +144,13 @@ def test_cpp_wrapper_sharded(tmp_path):
             assert r["clipped"] > 0 and r["unclipped"] > 0 and r["compiler"] == "inductor", r
 
 
-def test_input_gram_conv_norms_sharded(tmp_path):
+@_ranks("input_gram")
+def test_input_gram_conv_norms_sharded(shared_ranks):
     """conv_norm="input_gram" on 2 ranks (an unbacked batch size, ranks with no samples): every convolution of the
     vision blocks (strided, depthwise 7x7, transposed, 1x1, a Conv1d) exact against the oracle, both schedules,
     one op by op and one through Inductor."""
-    runs = [("vision_blocks", "bk", "private_step+eager+input_gram"), ("vision_blocks", "ghost", "compile+input_gram")]
-    spawn(dist_worker.every_case, str(tmp_path), runs, timeout=1200)
-    for rank, results in enumerate(_read(tmp_path, prefix="cases")):
+    runs = RANKS.jobs["input_gram"][2]["runs"]
+    for rank, results in enumerate(_read(shared_ranks("input_gram"), prefix="cases")):
         for case, schedule, form in runs:
             r = results[f"{case}-{schedule}-{form}"]
             assert r["error"] is None, f"rank {rank}:\n{r['error']}"
@@ -152,11 +159,11 @@ def test_input_gram_conv_norms_sharded(tmp_path):
             assert r["batch_size"].startswith("u") and r["waits_out_of_order"] == [], r
 
 
-@pytest.mark.parametrize("case,schedule", [("gpt", "bk"), ("llama", "ghost")])
-def test_collectives_per_phase(case, schedule, tmp_path):
+@pytest.mark.parametrize("case,schedule", [pytest.param(c, s, marks=_ranks(f"collectives_{c}_{s}"))
+                                           for c, s in [("gpt", "bk"), ("llama", "ghost")]])
+def test_collectives_per_phase(case, schedule, shared_ranks):
     """Unbucketed (bucket_collectives(None)): dpcompile's own placement of one collective per parameter."""
-    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, "off")
-    for rep in _read(tmp_path):
+    for rep in _read(shared_ranks(f"collectives_{case}_{schedule}")):
         counts, n = rep["counts"], rep["n_params"]
         assert rep["bucketing"] == ["none", False, None], rep
         assert counts["backward"]["reduce_scatter"] == n  # one per gradient: none in a ghost first pass
@@ -175,11 +182,11 @@ def test_collectives_per_phase(case, schedule, tmp_path):
             assert phases["removed_from_backward"]["reduce_scatters"] == n
 
 
-def test_padded_contractions_on_a_sharded_model(tmp_path):
+@_ranks("padded")
+def test_padded_contractions_on_a_sharded_model(shared_ranks):
     """Odd widths, vocab and sequence padded inside the sharded graph (column-sliced weight gradients feed
     reduce-scatters): still exact, weights still re-gathered."""
-    spawn(dist_worker.correctness, "gpt_odd", "bk", [3, 2], True, str(tmp_path), None, True)
-    for rep in _read(tmp_path):
+    for rep in _read(shared_ranks("padded")):
         assert rep["counters"]["contractions_padded"] >= 8, rep["counters"]
         # the forward ops reading a gathered weight are saved, not recomputed: without that, the ranks' (unequal)
         # graphs partitioned differently here and one rank re-gathered a weight the other did not (a hang)
@@ -187,14 +194,15 @@ def test_padded_contractions_on_a_sharded_model(tmp_path):
         assert 0 < rep["counts"]["backward"]["all_gather"] <= rep["n_params"]
 
 
-@pytest.mark.parametrize("case,schedule,bucket_mb", [("gpt", "bk", 16), ("llama", "ghost", None)])
-def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, tmp_path):
+@pytest.mark.parametrize("case,schedule,bucket_mb", [
+    pytest.param(c, s, mb, marks=_ranks(f"bucketed_{c}_{s}_{mb or 'default'}"))
+    for c, s, mb in [("gpt", "bk", 16), ("llama", "ghost", None)]])
+def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, shared_ranks):
     """Inductor merges the gathers and the clipped gradients' reduce-scatters after the dp rewrite, and
     reorders them against compute: fully_shard's default (None), or dpcompile.bucket_collectives(16) without
     reordering. The gradients stay exact and far fewer collectives are issued. Every collective's wait follows
     the order of issue on every rank (Inductor fills a bucket in the order of the waits)."""
-    spawn(dist_worker.correctness, case, schedule, [3, 2], True, str(tmp_path), None, False, bucket_mb, False)
-    for rep in _read(tmp_path):
+    for rep in _read(shared_ranks(f"bucketed_{case}_{schedule}_{bucket_mb or 'default'}")):
         assert rep["bucketing"] == (["all", True, 64.0] if bucket_mb is None else ["all", False, 16.0]), rep
         assert rep["waits_out_of_order"] == [], rep
         n, issued = rep["n_params"], rep["issued"]
@@ -204,19 +212,19 @@ def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, tmp_path):
         assert rep["summary_collectives"]["backward_before_clip"].get("reduce_scatters", 0) == 0
 
 
-def test_reshard_after_forward_false_keeps_gathered_params(tmp_path):
+@_ranks("reshard_false")
+def test_reshard_after_forward_false_keeps_gathered_params(shared_ranks):
     # what the partitioner keeps is the subject: op by op (CI time)
-    spawn(dist_worker.correctness, "gpt", "bk", [2, 3], False, str(tmp_path), None, False, None, False, "eager")
-    for rep in _read(tmp_path):
+    for rep in _read(shared_ranks("reshard_false")):
         assert rep["counts"]["backward"]["all_gather"] == 0
 
 
-def test_batch_dpcompile_cannot_see_is_refused_on_every_rank(tmp_path):
+@_ranks("unmarked")
+def test_batch_dpcompile_cannot_see_is_refused_on_every_rank(shared_ranks):
     """A batch inside an object dynamo reads attributes of (not a tensor argument, list or dict): dpcompile
     cannot mark it, and a fixed batch size would give ranks different graphs. Refused on every rank,
     rank 1 with no samples, before any collective; the message says what to do."""
-    spawn(dist_worker.unmarked_batch, str(tmp_path))
-    for rep in _read(tmp_path, prefix="unmarked"):
+    for rep in _read(shared_ranks("unmarked"), prefix="unmarked"):
         assert "one graph for every batch size" in rep["error"] and "mark_batch" in rep["error"], rep
 
 
@@ -229,20 +237,21 @@ def test_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(tmp_path):
     assert all(dtype == "torch.float32" and nonzero for dtype, nonzero in rep["grads"].values()), rep
 
 
-def test_cross_entropys_default_mean_sharded(tmp_path):
+@_ranks("cross_entropy_mean")
+def test_cross_entropys_default_mean_sharded(shared_ranks):
     """F.cross_entropy(logits, y), default mean, on 2 ranks (per-rank batches of 0, 1, 3, 4, 5; ignored
     targets): a mean of per-sample losses over each rank's count, exact against the oracle, both schedules."""
-    spawn(dist_worker.cross_entropy_mean, str(tmp_path))
-    for rank, results in enumerate(_read(tmp_path, prefix="ce")):
+    for rank, results in enumerate(_read(shared_ranks("cross_entropy_mean"), prefix="ce")):
         for schedule, r in results.items():
             assert r["error"] is None, f"rank {rank} {schedule}:\n{r['error']}"
             assert r["counters"]["loss_mean_over_sample_count"] == 1, r["counters"]
 
 
-def test_noise_on_shards_two_ranks(tmp_path):
-    spawn(dist_worker.noise, str(tmp_path), 123)
-    z0 = torch.load(os.path.join(tmp_path, "noise0.pt"))
-    z1 = torch.load(os.path.join(tmp_path, "noise1.pt"))
+@_ranks("noise")
+def test_noise_on_shards_two_ranks(shared_ranks):
+    out = shared_ranks("noise")
+    z0 = torch.load(os.path.join(out, "noise0.pt"))
+    z1 = torch.load(os.path.join(out, "noise1.pt"))
     std = 2.0 * 0.5 / 4
     # both ranks see the same full gradient (gathered), noise included
     torch.testing.assert_close(z0["z"], z1["z"])
@@ -261,9 +270,9 @@ def test_noise_on_shards_two_ranks(tmp_path):
     assert abs(r) < 4.5 / a.numel() ** 0.5, r
 
 
-def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model_is_refused(tmp_path):
-    spawn(dist_worker.bad_inputs, str(tmp_path))
-    for rep in _read(tmp_path, prefix="bad"):
+@_ranks("bad_inputs")
+def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model_is_refused(shared_ranks):
+    for rep in _read(shared_ranks("bad_inputs"), prefix="bad"):
         assert "not sharded" in rep["partial"] and "fully_shard" in rep["partial"], rep
         assert "different device meshes" in rep["two_meshes"], rep
         assert rep["equal_meshes_grads"] == rep["n_params"], rep  # meshes compared by value

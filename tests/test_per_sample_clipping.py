@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import dpcompile
 
 import models as M
-from cases import CASES, check_case_invariants, ids as _ids, with_bad_samples
+from cases import CASES, bad_samples, check_case_invariants, ids as _ids, with_bad_samples
 from helpers import check_against_reference
 
 
@@ -200,6 +200,26 @@ def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
     assert len(dp_graphs) == 1
     assert dp_graphs[0].counters["nonempty_batch_asserts_removed"] >= 1  # the -1 view's B != 0
     assert dp_graphs[0].counters["nonempty_batch_views_resolved"] >= 1
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_every_layer_kind_through_inductor_with_an_unbacked_batch(part):
+    """The sharded matrix's layer kinds (cases.SHARDED_INDUCTOR_ON_ONE_PROCESS), every other one side by side,
+    through Inductor's generated code with the unbacked batch size a sharded step compiles with (mark_batch):
+    every kind's lowering must take a batch Inductor cannot guard on. Exact against the oracle, bad samples
+    dropped, clipping active."""
+    from cases import SHARDED_LAYER_KINDS, side_by_side
+
+    kinds = sorted(SHARDED_LAYER_KINDS)[part::2]
+    c = with_bad_samples(side_by_side({n: SHARDED_LAYER_KINDS[n] for n in kinds}))
+    inputs, targets = c.data(6)
+    dpcompile.mark_batch(*inputs, *targets)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="bk", reduction=c.reduction)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+    assert backend.dropped_samples() == int(bad_samples(inputs, targets).sum()) == 2
+    for kind in kinds:  # what each kind's compile must show, as on its own
+        check_case_invariants(kind, record.counters, record.summary)
 
 
 # The per-sample norms are the same pass in both schedules: each norm form runs with one of them (CI time), the

@@ -12,14 +12,15 @@ import math
 import pytest
 import torch
 
-import dist_worker
 from dpcompile.compat import dtensor_takes_unbacked_batch
-from test_fsdp import _read, spawn
+from ranks import SharedRanks
+from ranks import read as _read
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
 
-@pytest.mark.parametrize("case,schedule,compiler,dp", [
+# {run: (case, schedule, compiler, dp)}
+RUNS = {f"{c}-{s}-{comp}-{dp}": (c, s, comp, dp) for c, s, comp, dp in [
     # ghost on these: hf_llama, and gpt at dp 2; Inductor's code for a tensor-parallel Llama: llama_sp's
     ("gpt", "bk", "eager", 1), ("llama", "bk", "eager", 1),
     # sequence parallel: each schedule once, Inductor once (CI time)
@@ -30,12 +31,26 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="ne
     # norms' Partial gradients; the embedding's whole gradient cut to each rank's slice). The same Llama
     # without sequence parallelism at dp 2 (ghost) passed too; left out of CI for its time (147 s of 2 cores)
     ("gpt", "ghost", "eager", 2), ("llama_sp", "bk", "eager", 2),
-])
+]}
+# the runs share their ranks (ranks.SharedRanks): the 2-rank ones in two process groups, the 4-rank ones in one
+RANKS = {world: SharedRanks(f"tp{world}_", {run: (i % 2 if world == 2 else 0, "tensor_parallel",
+                                                   dict(case=c, schedule=s, compiler=comp, dp=dp))
+                                             for i, (run, (c, s, comp, dp)) in enumerate(
+                                                 (r, v) for r, v in RUNS.items() if 2 * v[3] == world)}, world=world)
+         for world in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def shared_ranks(tmp_path_factory):
+    return lambda run: RANKS[2 * RUNS[run][3]].out_dir(run, tmp_path_factory)
+
+
+@pytest.mark.parametrize("case,schedule,compiler,dp", [pytest.param(*v, id=run, marks=RANKS[2 * v[3]].mark(run))
+                                                       for run, v in RUNS.items()])
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
-        case, schedule, compiler, dp, tmp_path):
+        case, schedule, compiler, dp, shared_ranks):
     world = 2 * dp
-    spawn(dist_worker.tensor_parallel, str(tmp_path), case, schedule, compiler, dp, world=world)
-    reps = _read(tmp_path, world)
+    reps = _read(shared_ranks(f"{case}-{schedule}-{compiler}-{dp}"), world)
     if dp > 1 and not dtensor_takes_unbacked_batch():
         # torch 2.11's DTensor cannot propagate shardings over the unbacked batch a sharded step needs
         for rep in reps:

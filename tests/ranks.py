@@ -1,0 +1,58 @@
+"""Spawned gloo ranks for the multi-rank tests (their bodies: dist_worker.py)."""
+import json
+import os
+import tempfile
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+import dist_worker
+
+
+def spawn(fn, *args, world=2, timeout=420):
+    """Runs fn(rank, world, init_file, *args) on `world` spawned processes; fails if they do not finish."""
+    init = tempfile.mktemp(prefix="dpcompile_init_")
+    ctx = mp.start_processes(fn, args=(world, init, *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.time() + timeout
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError("ranks did not finish: a collective mismatch or deadlock")
+
+
+def read(tmp, world=2, prefix="rank"):
+    """Each rank's JSON report, <prefix><rank>.json in tmp."""
+    return [json.load(open(os.path.join(tmp, f"{prefix}{r}.json"))) for r in range(world)]
+
+
+class SharedRanks:
+    """Small multi-rank tests that share their ranks: spawning them is the slow part of such a test. ``jobs``:
+    {job: (group, dist_worker function name, keyword arguments)}. Under pytest-xdist (--dist loadgroup) each
+    group is one xdist group and one spawned process group, which runs every job of the group
+    (dist_worker.jobs) when its first test asks; a plain run runs all of them in one."""
+
+    def __init__(self, name: str, jobs: dict, world: int = 2, timeout: int = 2400):
+        self.name, self.jobs, self.world, self.timeout = name, jobs, world, timeout
+        self._dirs: dict = {}
+
+    def mark(self, job: str):
+        """The xdist_group mark of a test that reads ``job``."""
+        return pytest.mark.xdist_group(f"{self.name}{self.jobs[job][0]}")
+
+    def _group(self, job: str) -> int:
+        return self.jobs[job][0] if os.environ.get("PYTEST_XDIST_WORKER") else 0
+
+    def out_dir(self, job: str, tmp_path_factory) -> str:
+        """The job's output folder, its group run first if it has not run; a job that raised fails the test."""
+        group = self._group(job)
+        if group not in self._dirs:
+            specs = {j: spec[1:] for j, spec in self.jobs.items() if self._group(j) == group}
+            out = tmp_path_factory.mktemp(f"{self.name}{group}")
+            spawn(dist_worker.jobs, str(out), specs, world=self.world, timeout=self.timeout)
+            self._dirs[group] = out
+        out = self._dirs[group] / job
+        errors = [e.read_text() for e in sorted(out.glob("error*.txt"))]
+        assert not errors, f"{job}:\n" + "\n".join(errors)
+        return str(out)

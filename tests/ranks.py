@@ -27,11 +27,18 @@ def read(tmp, world=2, prefix="rank"):
     return [json.load(open(os.path.join(tmp, f"{prefix}{r}.json"))) for r in range(world)]
 
 
+# pytest-xdist workers above which each job spawns its own ranks: on a machine with that many cores the jobs run
+# in parallel (benchmarks/gpu_tests.sh, 14 workers: the shared groups made the run longer); on CI's 2 cores
+# spawning is what costs
+SPREAD_WORKERS = 4
+
+
 class SharedRanks:
     """Small multi-rank tests that share their ranks: spawning them is the slow part of such a test. ``jobs``:
     {job: (group, dist_worker function name, keyword arguments)}. Under pytest-xdist (--dist loadgroup) each
     group is one xdist group and one spawned process group, which runs every job of the group
-    (dist_worker.jobs) when its first test asks; a plain run runs all of them in one."""
+    (dist_worker.jobs) when its first test asks; with more than SPREAD_WORKERS workers each job is a group of
+    its own; a plain run runs all of them in one."""
 
     def __init__(self, name: str, jobs: dict, world: int = 2, timeout: int = 2400):
         self.name, self.jobs, self.world, self.timeout = name, jobs, world, timeout
@@ -39,10 +46,14 @@ class SharedRanks:
 
     def mark(self, job: str):
         """The xdist_group mark of a test that reads ``job``."""
-        return pytest.mark.xdist_group(f"{self.name}{self.jobs[job][0]}")
+        return pytest.mark.xdist_group(f"{self.name}{self._group(job)}")
 
-    def _group(self, job: str) -> int:
-        return self.jobs[job][0] if os.environ.get("PYTEST_XDIST_WORKER") else 0
+    def _group(self, job: str) -> str:
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            return "all"
+        if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > SPREAD_WORKERS:
+            return job
+        return str(self.jobs[job][0])
 
     def out_dir(self, job: str, tmp_path_factory) -> str:
         """The job's output folder, its group run first if it has not run; a job that raised fails the test."""

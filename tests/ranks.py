@@ -61,8 +61,14 @@ class SharedRanks:
         if group not in self._dirs:
             specs = {j: spec[1:] for j, spec in self.jobs.items() if self._group(j) == group}
             out = tmp_path_factory.mktemp(f"{self.name}{group}")
-            spawn(dist_worker.jobs, str(out), specs, world=self.world, timeout=self.timeout)
+            try:
+                spawn(dist_worker.jobs, str(out), specs, world=self.world, timeout=self.timeout)
+            except AssertionError as e:  # the group's other tests fail with it, without spawning it again
+                self._dirs[group] = e
+                raise
             self._dirs[group] = out
+        if isinstance(self._dirs[group], AssertionError):
+            raise AssertionError(f"{job}: the ranks of its group failed: {self._dirs[group]}")
         out = self._dirs[group] / job
         errors = [e.read_text() for e in sorted(out.glob("error*.txt"))]
         assert not errors, f"{job}:\n" + "\n".join(errors)

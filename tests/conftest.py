@@ -12,6 +12,12 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(scope="session")
+def shared_ranks(tmp_path_factory):
+    """shared_ranks(ranks, job): the output folder of a job of a ranks.SharedRanks table, its group run first."""
+    return lambda ranks, job: ranks.out_dir(job, tmp_path_factory)
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     # Each test compiles its own step; without a reset, dynamo's per-code

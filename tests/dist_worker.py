@@ -1,6 +1,7 @@
 """Multi-rank test bodies, run in spawned gloo processes (see test_fsdp.py)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -38,6 +39,18 @@ def _finish():
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _restoring(attributes):
+    """(module, name) pairs: their values as they are now (copies: a list may be written in place) come back
+    on exit."""
+    saved = [(m, k, copy.copy(getattr(m, k))) for m, k in attributes]
+    try:
+        yield
+    finally:
+        for m, k, v in saved:
+            setattr(m, k, copy.copy(v))
+
+
 def jobs(rank, world, init_file, out_dir, specs):
     """Several tests' bodies on one spawned process group, one after another (spawning the ranks is the slow
     part of a small test; torch cannot make a second default process group in a process: its device meshes
@@ -55,8 +68,7 @@ def jobs(rank, world, init_file, out_dir, specs):
     _init(rank, world, init_file)
     _SHARED_GROUP[0] = True
     globals_ = [(bucketing, "_SET_BY"), (aligned_contractions, "PAD_DEVICES"), (aligned_contractions, "ALIGNMENT")]
-    start = ([list(v) if isinstance(v := getattr(m, k), list) else v for m, k in globals_],
-             inductor_config.get_config_copy())
+    settings = inductor_config.get_config_copy()
     failed = None
     for job, (fn, kwargs) in specs.items():
         job_dir = os.path.join(out_dir, job)
@@ -67,15 +79,14 @@ def jobs(rank, world, init_file, out_dir, specs):
             continue
         torch._dynamo.reset()
         try:
-            globals()[fn](rank, world, init_file, out_dir=job_dir, **kwargs)
+            with _restoring(globals_):
+                globals()[fn](rank, world, init_file, out_dir=job_dir, **kwargs)
         except Exception:  # noqa: BLE001 - reported to the job's test
             failed = job
             with open(os.path.join(job_dir, f"error{rank}.txt"), "w") as f:
                 f.write(traceback.format_exc()[-4000:])
         finally:
-            for (m, k), v in zip(globals_, start[0]):
-                setattr(m, k, list(v) if isinstance(v, list) else v)
-            inductor_config.load_config(start[1])
+            inductor_config.load_config(settings)
     _SHARED_GROUP[0] = False
     _finish()
 
@@ -300,14 +311,10 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     if "recompute" in flags:  # every forward value the ghost second backward reads qualifies (small models)
         patches += [(second_backward_recompute, "RECOMPUTE_MIN_BYTES", 1),
                     (second_backward_recompute, "RECOMPUTE_MIN_RATIO", 1)]
-    saved = [(m, k, getattr(m, k)) for m, k, _ in patches]
-    for m, k, v in patches:
-        setattr(m, k, v)
-    try:
-        return _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, every_grads)
-    finally:
-        for m, k, v in saved:
+    with _restoring([(m, k) for m, k, _ in patches]):
+        for m, k, v in patches:
             setattr(m, k, v)
+        return _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, every_grads)
 
 
 def _buffers(model) -> dict:

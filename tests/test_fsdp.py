@@ -1,5 +1,4 @@
 """Sharded DP on 2 gloo processes: exact gradients, collectives per phase, noise on shards."""
-import functools
 import json
 import os
 
@@ -74,11 +73,6 @@ MATRIX = SharedRanks("matrix", {f"group{g}": (g, "every_case", dict(runs=[r for 
                                 for g in range(5)})
 
 
-@pytest.fixture(scope="module")
-def shared_matrix(tmp_path_factory):
-    return functools.partial(MATRIX.out_dir, tmp_path_factory=tmp_path_factory)
-
-
 # Smaller 2-rank tests share their ranks too (ranks.SharedRanks): {job: (group, dist_worker function, keywords)}
 RANKS = SharedRanks("ranks", {
     "collectives_gpt_bk": (0, "correctness", dict(case="gpt", schedule="bk", sizes=[3, 2], reshard_after_forward=True,
@@ -103,18 +97,13 @@ RANKS = SharedRanks("ranks", {
 _ranks = RANKS.mark
 
 
-@pytest.fixture(scope="module")
-def shared_ranks(tmp_path_factory):
-    return functools.partial(RANKS.out_dir, tmp_path_factory=tmp_path_factory)
-
-
 @pytest.mark.parametrize("case,schedule,form", [pytest.param(*run, marks=MATRIX.mark(_matrix_job(run[0])))
                                                  for run in SHARDED_RUNS])
-def test_sharded_matches_single_process_reference(case, schedule, form, shared_matrix):
+def test_sharded_matches_single_process_reference(case, schedule, form, shared_ranks):
     """Per-rank batches (0, 3), (1, 4), (5, 3), (0, 0) of different data, one graph, plain torch.compile or
     private_step with no other call: each rank's gathered gradient equals the float64 oracle on the
     concatenated batch (some samples clipped, some not)."""
-    for rank, results in enumerate(_read(shared_matrix(_matrix_job(case)), prefix="cases")):
+    for rank, results in enumerate(_read(shared_ranks(MATRIX, _matrix_job(case)), prefix="cases")):
         r = results[f"{case}-{schedule}-{form}"]
         assert r["error"] is None, f"rank {rank}:\n{r['error']}"
         assert r["dp_graphs"] == 1, r  # one graph for every batch size, the same on every rank
@@ -150,7 +139,7 @@ def test_input_gram_conv_norms_sharded(shared_ranks):
     vision blocks (strided, depthwise 7x7, transposed, 1x1, a Conv1d) exact against the oracle, both schedules,
     one op by op and one through Inductor."""
     runs = RANKS.jobs["input_gram"][2]["runs"]
-    for rank, results in enumerate(_read(shared_ranks("input_gram"), prefix="cases")):
+    for rank, results in enumerate(_read(shared_ranks(RANKS, "input_gram"), prefix="cases")):
         for case, schedule, form in runs:
             r = results[f"{case}-{schedule}-{form}"]
             assert r["error"] is None, f"rank {rank}:\n{r['error']}"
@@ -163,7 +152,7 @@ def test_input_gram_conv_norms_sharded(shared_ranks):
                                            for c, s in [("gpt", "bk"), ("llama", "ghost")]])
 def test_collectives_per_phase(case, schedule, shared_ranks):
     """Unbucketed (bucket_collectives(None)): dpcompile's own placement of one collective per parameter."""
-    for rep in _read(shared_ranks(f"collectives_{case}_{schedule}")):
+    for rep in _read(shared_ranks(RANKS, f"collectives_{case}_{schedule}")):
         counts, n = rep["counts"], rep["n_params"]
         assert rep["bucketing"] == ["none", False, None], rep
         assert counts["backward"]["reduce_scatter"] == n  # one per gradient: none in a ghost first pass
@@ -186,7 +175,7 @@ def test_collectives_per_phase(case, schedule, shared_ranks):
 def test_padded_contractions_on_a_sharded_model(shared_ranks):
     """Odd widths, vocab and sequence padded inside the sharded graph (column-sliced weight gradients feed
     reduce-scatters): still exact, weights still re-gathered."""
-    for rep in _read(shared_ranks("padded")):
+    for rep in _read(shared_ranks(RANKS, "padded")):
         assert rep["counters"]["contractions_padded"] >= 8, rep["counters"]
         # the forward ops reading a gathered weight are saved, not recomputed: without that, the ranks' (unequal)
         # graphs partitioned differently here and one rank re-gathered a weight the other did not (a hang)
@@ -202,7 +191,7 @@ def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, shared_ranks
     reorders them against compute: fully_shard's default (None), or dpcompile.bucket_collectives(16) without
     reordering. The gradients stay exact and far fewer collectives are issued. Every collective's wait follows
     the order of issue on every rank (Inductor fills a bucket in the order of the waits)."""
-    for rep in _read(shared_ranks(f"bucketed_{case}_{schedule}_{bucket_mb or 'default'}")):
+    for rep in _read(shared_ranks(RANKS, f"bucketed_{case}_{schedule}_{bucket_mb or 'default'}")):
         assert rep["bucketing"] == (["all", True, 64.0] if bucket_mb is None else ["all", False, 16.0]), rep
         assert rep["waits_out_of_order"] == [], rep
         n, issued = rep["n_params"], rep["issued"]
@@ -215,7 +204,7 @@ def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, shared_ranks
 @_ranks("reshard_false")
 def test_reshard_after_forward_false_keeps_gathered_params(shared_ranks):
     # what the partitioner keeps is the subject: op by op (CI time)
-    for rep in _read(shared_ranks("reshard_false")):
+    for rep in _read(shared_ranks(RANKS, "reshard_false")):
         assert rep["counts"]["backward"]["all_gather"] == 0
 
 
@@ -224,7 +213,7 @@ def test_batch_dpcompile_cannot_see_is_refused_on_every_rank(shared_ranks):
     """A batch inside an object dynamo reads attributes of (not a tensor argument, list or dict): dpcompile
     cannot mark it, and a fixed batch size would give ranks different graphs. Refused on every rank,
     rank 1 with no samples, before any collective; the message says what to do."""
-    for rep in _read(shared_ranks("unmarked"), prefix="unmarked"):
+    for rep in _read(shared_ranks(RANKS, "unmarked"), prefix="unmarked"):
         assert "one graph for every batch size" in rep["error"] and "mark_batch" in rep["error"], rep
 
 
@@ -241,7 +230,7 @@ def test_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(tmp_path):
 def test_cross_entropys_default_mean_sharded(shared_ranks):
     """F.cross_entropy(logits, y), default mean, on 2 ranks (per-rank batches of 0, 1, 3, 4, 5; ignored
     targets): a mean of per-sample losses over each rank's count, exact against the oracle, both schedules."""
-    for rank, results in enumerate(_read(shared_ranks("cross_entropy_mean"), prefix="ce")):
+    for rank, results in enumerate(_read(shared_ranks(RANKS, "cross_entropy_mean"), prefix="ce")):
         for schedule, r in results.items():
             assert r["error"] is None, f"rank {rank} {schedule}:\n{r['error']}"
             assert r["counters"]["loss_mean_over_sample_count"] == 1, r["counters"]
@@ -249,7 +238,7 @@ def test_cross_entropys_default_mean_sharded(shared_ranks):
 
 @_ranks("noise")
 def test_noise_on_shards_two_ranks(shared_ranks):
-    out = shared_ranks("noise")
+    out = shared_ranks(RANKS, "noise")
     z0 = torch.load(os.path.join(out, "noise0.pt"))
     z1 = torch.load(os.path.join(out, "noise1.pt"))
     std = 2.0 * 0.5 / 4
@@ -272,7 +261,7 @@ def test_noise_on_shards_two_ranks(shared_ranks):
 
 @_ranks("bad_inputs")
 def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model_is_refused(shared_ranks):
-    for rep in _read(shared_ranks("bad_inputs"), prefix="bad"):
+    for rep in _read(shared_ranks(RANKS, "bad_inputs"), prefix="bad"):
         assert "not sharded" in rep["partial"] and "fully_shard" in rep["partial"], rep
         assert "different device meshes" in rep["two_meshes"], rep
         assert rep["equal_meshes_grads"] == rep["n_params"], rep  # meshes compared by value

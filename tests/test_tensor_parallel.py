@@ -32,17 +32,18 @@ RUNS = {f"{c}-{s}-{comp}-{dp}": (c, s, comp, dp) for c, s, comp, dp in [
     # without sequence parallelism at dp 2 (ghost) passed too; left out of CI for its time (147 s of 2 cores)
     ("gpt", "ghost", "eager", 2), ("llama_sp", "bk", "eager", 2),
 ]}
-# the runs share their ranks (ranks.SharedRanks): the 2-rank ones in two process groups, the 4-rank ones in one
-RANKS = {world: SharedRanks(f"tp{world}_", {run: (i % 2 if world == 2 else 0, "tensor_parallel",
-                                                   dict(case=c, schedule=s, compiler=comp, dp=dp))
-                                             for i, (run, (c, s, comp, dp)) in enumerate(
-                                                 (r, v) for r, v in RUNS.items() if 2 * v[3] == world)}, world=world)
-         for world in (2, 4)}
 
 
-@pytest.fixture(scope="module")
-def shared_ranks(tmp_path_factory):
-    return lambda run: RANKS[2 * RUNS[run][3]].out_dir(run, tmp_path_factory)
+def _shared(world):
+    """The runs on `world` ranks share them (ranks.SharedRanks): the 2-rank ones in two process groups, the
+    4-rank ones in one."""
+    runs = [run for run, v in RUNS.items() if 2 * v[3] == world]
+    return SharedRanks(f"tp{world}_", {run: (i % 2 if world == 2 else 0, "tensor_parallel",
+                                             dict(zip(("case", "schedule", "compiler", "dp"), RUNS[run])))
+                                       for i, run in enumerate(runs)}, world=world)
+
+
+RANKS = {world: _shared(world) for world in (2, 4)}
 
 
 @pytest.mark.parametrize("case,schedule,compiler,dp", [pytest.param(*v, id=run, marks=RANKS[2 * v[3]].mark(run))
@@ -50,7 +51,7 @@ def shared_ranks(tmp_path_factory):
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
         case, schedule, compiler, dp, shared_ranks):
     world = 2 * dp
-    reps = _read(shared_ranks(f"{case}-{schedule}-{compiler}-{dp}"), world)
+    reps = _read(shared_ranks(RANKS[world], f"{case}-{schedule}-{compiler}-{dp}"), world)
     if dp > 1 and not dtensor_takes_unbacked_batch():
         # torch 2.11's DTensor cannot propagate shardings over the unbacked batch a sharded step needs
         for rep in reps:

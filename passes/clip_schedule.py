@@ -212,6 +212,15 @@ def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, 
         clipped[rows] = (total, parts)
     total, parts = clipped[rows]
     want = _gradient_of(c).meta["val"]
+    if want.dtype != total.meta["val"].dtype:
+        # the parameters whose gradient is in another dtype (a linear's bias under autocast: bf16) read their
+        # parts from one cast of the whole sum, split once: a cast per part was a kernel per parameter, each
+        # its own Triton compile and autotuning (its slice's offset is in its code; GPT-2 bf16: 48 kernels)
+        if (rows, want.dtype) not in clipped:
+            cast = b.call(torch.ops.prims.convert_element_type.default, total, want.dtype)
+            clipped[rows, want.dtype] = (cast, b.call(aten.split_with_sizes.default, cast, widths)
+                                         if len(widths) > 1 else None)
+        total, parts = clipped[rows, want.dtype]
     part = total if parts is None else b.call(operator.getitem, parts, index)
     if arrange is not None:
         shape, perm = arrange
@@ -220,8 +229,7 @@ def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, 
             part = b.call(aten.clone.default, part, memory_format=torch.contiguous_format)
     elif want.dim() != 1:  # (a 1-D gradient, most of them, is the part itself: no node to trace)
         part = b.reshape(part, list(want.shape))
-    return part if want.dtype == torch.float32 else b.call(torch.ops.prims.convert_element_type.default, part,
-                                                           want.dtype)
+    return part
 
 
 def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
@@ -337,6 +345,10 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
             ctx.counters["bk_operand_copies"] += len(operands) - before
             c.node.replace_all_uses_with(new)
             ctx.counters["bk_deferred_contractions"] += 1
+    # one cast of a clipped row sum per dtype its parameters' gradients are in (_sum_from_rows)
+    casts = sum(isinstance(k, tuple) for k in clipped_rows)
+    if casts:
+        ctx.counters["clipped_row_sums_cast"] += casts
     # ghost: a second backward for the parameters with recomputed contributions
     if recompute:
         _second_backward(gm, ctx, b, out, r, B, {c.node for c in recompute}, keep)

@@ -541,6 +541,19 @@ class SpatialTransformer(nn.Module):
         return self.head(self.conv(F.grid_sample(x, grid, align_corners=False)).mean((2, 3)))
 
 
+class Autocast(nn.Module):
+    """The wrapped model under bf16 autocast on its input's device, output in fp32: fp32 parameters, bf16
+    compute, what users train in (autocast leaves float64 alone, so the fp64 oracle's copy runs in fp64)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *xs):
+        with torch.autocast(xs[0].device.type, dtype=torch.bfloat16):
+            return self.inner(*xs).float()
+
+
 class GPT(nn.Module):
     def __init__(self, vocab=13, d=8, n_head=2, n_layer=2, max_t=8, tied=False):
         super().__init__()

@@ -309,6 +309,23 @@ def test_cuda_bf16_model_matches_reference(case, schedule):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("case", ["gpt", "llama"])
+def test_cuda_autocast_model_matches_reference(case, schedule):
+    """fp32 parameters under bf16 autocast (what users train in): the linears' bf16 gradients (gpt's bias
+    gradients: parts of one cast of their clipped sum) against the fp64 oracle, with bf16 tolerances."""
+    c = CASES[case]
+    torch.manual_seed(0)
+    inputs, targets = c.data(4)
+    ref, gpu, backend = _clipped_on_cuda(M.Autocast(c.model()), c.loss, inputs, targets, schedule=schedule)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters.get("clipped_row_sums_cast", 0) == (case == "gpt"), record.counters
+    for name, p in gpu.named_parameters():
+        want = ref[name]
+        torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def test_cuda_conv_norm_kernel_matches_autograd_per_sample_gradients():
     """dpcompile.conv_sq_norms' Triton kernel compiled for the GPU: bf16 (which the CPU interpreter cannot check),
     fp16 and fp32 (exact_fp32: no TF32), channels-last too, against fp64 autograd on the rounded operands."""

@@ -1,5 +1,6 @@
 """Golden graphs: where the weight-gradient contractions and the norms sit, per schedule."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -306,3 +307,43 @@ def test_summary_says_where_the_compile_time_went():
     assert "comm_overlap" not in seconds and "view_chains" not in seconds  # disabled; Inductor's only
     assert all(v >= 0 for v in seconds.values()) and list(seconds.values()) == sorted(seconds.values(), reverse=True)
     assert seconds["min_cut_partition"] > 0
+
+
+class BiasedLayerNormMLP(torch.nn.Module):
+    """Under bf16 autocast the linears' bias gradients are bf16 and the LayerNorm's fp32 (autocast runs
+    layer_norm in fp32); all are clipped sums of the norm pass's per-sample rows (one [B, N] buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln, self.fc2, self.fc3 = (torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 6),
+                                                 torch.nn.Linear(6, 3))
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(self.ln(self.fc1(x)))))
+
+
+class TestClippedRowSums(TestCase):
+    def test_bf16_bias_gradients_are_parts_of_one_cast(self):
+        # a cast per bias made a Triton kernel per parameter (its part's offset in its code: 48 compiles and
+        # autotunings of GPT-2's bf16 step); one cast of the whole clipped sum, split once, is the same values
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+        # bf16 forward against the fp64 oracle (autocast leaves float64 alone): bf16's rounding, not a bias
+        # gradient read from another parameter's part, which would be off by its whole size
+        backend = check_against_reference(M.Autocast(BiasedLayerNormMLP()), M.ce, (x,), (y,), schedule="bk", rtol=5e-2, atol=2e-2)
+        self.assertEqual(backend.compiled[0].counters["clipped_row_sums_cast"], 1)
+        # with noise (which takes the parts' casts back to fp32 into its op): no part is cast on its own
+        torch._dynamo.reset()
+        step, backend = compile_step(M.Autocast(BiasedLayerNormMLP()), M.ce, max_grad_norm=1.0, noise_multiplier=1.0,
+                                     expected_batch_size=8, schedule="bk")
+        step((x,), (y,))
+        rec = backend.compiled[0]
+        self.assertEqual(rec.counters["bk_sums_from_rows"], 5)  # 3 biases, the LayerNorm's weight and bias
+        self.assertEqual(rec.counters["clipped_row_sums_cast"], 1)
+        text = rec.graphs["backward"]
+        parts = set(re.findall(r"^\s*(\w+): \S+ = split_with_sizes\w*\[\d+\]", text, re.M))
+        self.assertEqual(len(parts), 5, text)  # a part of one of the two splits (fp32, bf16) each
+        cast_of = re.findall(r"convert_element_type\.default\((\w+),", text)
+        self.assertEqual(len([a for a in cast_of if a.startswith("sum_")]), 1, cast_of)  # the whole clipped sum
+        self.assertFalse(parts & set(cast_of), cast_of)

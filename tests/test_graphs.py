@@ -331,7 +331,8 @@ class TestClippedRowSums(TestCase):
         x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
         # bf16 forward against the fp64 oracle (autocast leaves float64 alone): bf16's rounding, not a bias
         # gradient read from another parameter's part, which would be off by its whole size
-        backend = check_against_reference(M.Autocast(BiasedLayerNormMLP()), M.ce, (x,), (y,), schedule="bk", rtol=5e-2, atol=2e-2)
+        backend = check_against_reference(M.Autocast(BiasedLayerNormMLP()), M.ce, (x,), (y,), schedule="bk",
+                                          rtol=5e-2, atol=2e-2)
         self.assertEqual(backend.compiled[0].counters["clipped_row_sums_cast"], 1)
         # with noise (which takes the parts' casts back to fp32 into its op): no part is cast on its own
         torch._dynamo.reset()
@@ -343,7 +344,8 @@ class TestClippedRowSums(TestCase):
         self.assertEqual(rec.counters["clipped_row_sums_cast"], 1)
         text = rec.graphs["backward"]
         parts = set(re.findall(r"^\s*(\w+): \S+ = split_with_sizes\w*\[\d+\]", text, re.M))
-        self.assertEqual(len(parts), 5, text)  # a part of one of the two splits (fp32, bf16) each
+        self.assertEqual(len(parts), 5, text)  # each a part of one of the two splits (fp32, bf16)
+        self.assertEqual(len(re.findall(r"= torch\.ops\.aten\.split_with_sizes\.default\(", text)), 2, text)
         cast_of = re.findall(r"convert_element_type\.default\((\w+),", text)
         self.assertEqual(len([a for a in cast_of if a.startswith("sum_")]), 1, cast_of)  # the whole clipped sum
         self.assertFalse(parts & set(cast_of), cast_of)

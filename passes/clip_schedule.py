@@ -205,11 +205,7 @@ def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, 
         if keep is not None:
             scaled = b.call(aten.where.self, b.view(keep, [B, 1]), scaled,
                             b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32))
-        total = b.call(aten.sum.dim_IntList, scaled, [0])
-        # one split, not a slice per parameter: each node the partitioner adds is traced (about 1.5 ms on
-        # CPU), and a ViT or GPT-2 has about a hundred such parameters
-        parts = b.call(aten.split_with_sizes.default, total, widths) if len(widths) > 1 else None
-        clipped[rows] = (total, parts)
+        clipped[rows] = _split_once(b, b.call(aten.sum.dim_IntList, scaled, [0]), widths)
     total, parts = clipped[rows]
     want = _gradient_of(c).meta["val"]
     if want.dtype != total.meta["val"].dtype:
@@ -217,9 +213,8 @@ def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, 
         # parts from one cast of the whole sum, split once: a cast per part was a kernel per parameter, each
         # its own Triton compile and autotuning (its slice's offset is in its code; GPT-2 bf16: 48 kernels)
         if (rows, want.dtype) not in clipped:
-            cast = b.call(torch.ops.prims.convert_element_type.default, total, want.dtype)
-            clipped[rows, want.dtype] = (cast, b.call(aten.split_with_sizes.default, cast, widths)
-                                         if len(widths) > 1 else None)
+            clipped[rows, want.dtype] = _split_once(
+                b, b.call(torch.ops.prims.convert_element_type.default, total, want.dtype), widths)
         total, parts = clipped[rows, want.dtype]
     part = total if parts is None else b.call(operator.getitem, parts, index)
     if arrange is not None:
@@ -230,6 +225,13 @@ def _sum_from_rows(b: GraphBuilder, c: Contribution, rows: fx.Node, index: int, 
     elif want.dim() != 1:  # (a 1-D gradient, most of them, is the part itself: no node to trace)
         part = b.reshape(part, list(want.shape))
     return part
+
+
+def _split_once(b: GraphBuilder, total: fx.Node, widths: list[int]) -> tuple[fx.Node, fx.Node | None]:
+    """A clipped row sum and its one split into every parameter's part (None for a single part): one split, not
+    a slice per parameter, since each node the partitioner adds is traced (about 1.5 ms on CPU), and a ViT or
+    GPT-2 has about a hundred such parameters."""
+    return total, (b.call(aten.split_with_sizes.default, total, widths) if len(widths) > 1 else None)
 
 
 def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:

@@ -290,6 +290,14 @@ def test_cuda_normals_reach_the_gaussian_tails():
     noise_kernel_check.assert_tails(noise_kernel_check.tail_cases("cuda"))
 
 
+def _assert_bf16_close(gpu, ref):
+    """Every gradient of the CUDA model against the fp64 oracle with bf16 tolerances."""
+    for name, p in gpu.named_parameters():
+        want = ref[name]
+        torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_cuda_bf16_model_matches_reference(case, schedule):
@@ -303,10 +311,7 @@ def test_cuda_bf16_model_matches_reference(case, schedule):
     (record,) = [r for r in backend.compiled if r.dp]
     assert any(op == "aten.bmm.dtype" for op, _ in record.ops["backward"])  # the bf16 factors were not upcast
     assert record.counters["contractions_padded"] > 0  # the odd vocab (13) and sequence (6), zero-padded
-    for name, p in gpu.named_parameters():
-        want = ref[name]
-        torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
-                                   msg=lambda m: f"{name}: {m}")
+    _assert_bf16_close(gpu, ref)
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
@@ -320,10 +325,7 @@ def test_cuda_autocast_model_matches_reference(case, schedule):
     ref, gpu, backend = _clipped_on_cuda(M.Autocast(c.model()), c.loss, inputs, targets, schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters.get("clipped_row_sums_cast", 0) == (case == "gpt"), record.counters
-    for name, p in gpu.named_parameters():
-        want = ref[name]
-        torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
-                                   msg=lambda m: f"{name}: {m}")
+    _assert_bf16_close(gpu, ref)
 
 
 def test_cuda_conv_norm_kernel_matches_autograd_per_sample_gradients():

@@ -20,11 +20,9 @@ log, sqrt, sin and cos: the Triton kernel (CUDA; CPU tensors under ``TRITON_INTE
 below, which slices ``dpcompile::randn``'s flat draw (computed with torch ops where there is no Triton:
 dpcompile.philox).
 
-CUDA launches: one for all tensors of one pair of dtypes, through a table of their addresses (int64, five entries
-per tensor, staged in pinned memory and copied to the device without waiting for it). While a CUDA graph is
-captured (dpcompile's cudagraphs=True steps) the table's copy is captured too: a graph's addresses are the same at
-every replay, so the host table made at capture stays right, and is kept alive for the graphs that read it
-(``_GraphTables``). ``per_tensor`` launches (one per tensor, addresses as arguments) remain for comparison.
+CUDA launches: one for all tensors of one pair of dtypes, through a table of their addresses (dpcompile.address_tables:
+five entries per tensor, also under CUDA graph capture). ``per_tensor`` launches (one per tensor, addresses as
+arguments) remain for comparison, and for a capture without pinned memory set aside for its table.
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ import os
 
 import torch
 
-from . import kernel_plans
+from . import address_tables, kernel_plans
 from . import randn as _randn
 
 BLOCK = _randn.BLOCK  # counters per program, as dpcompile::randn: the same draw
@@ -114,69 +112,17 @@ def reference(srcs, outs, seeds, index, scale) -> None:
         _memory_flat(o).copy_(noisy.to(o.dtype))
 
 
-def _table(rows: list[tuple[int, int, int, int, int]], device: torch.device) -> torch.Tensor:
-    """int64 [5 * tensors] on the device: per tensor (source address, output address, numel, its first program in
-    this launch, its first program in the flat draw). Staged in pinned memory (torch's caching host allocator
-    recycles it once the copy is done), so the copy does not wait for the GPU: a pageable copy would, and a
-    step's host would lose its lead. Made per call, never kept: the addresses change between steps, so a table
-    kept per address set is new pinned memory every call (GPT-2-small 32x256 bf16 on one H100: 1.71x the
-    non-private wall clock with tables kept, 1.30x with one per call, on another host of the same kind), and a
-    kept device copy could lie in a CUDA graph's memory pool, which later graphs overwrite."""
-    host = _host_table(rows)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
-
-
-def _host_table(rows: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
-    """The rows as one int64 CPU tensor, five entries per tensor."""
-    return torch.tensor([v for row in rows for v in row], dtype=torch.int64)
-
-
-class _GraphTables:
-    """Pinned host memory for the address tables of CUDA graph captures. A capture's table copy becomes a node of
-    the graph, which reads the host table at every replay: that table is never freed or recycled (a few bytes per
-    tensor per capture). Pinned memory cannot be allocated while this thread captures (torch's copy refuses
-    pageable memory then), so calls outside a capture, such as the warm-up before one, set it aside: at least
-    ``RESERVE`` entries and four times the call's table."""
-
-    RESERVE = 1 << 16
-
-    def __init__(self) -> None:
-        self.free: torch.Tensor | None = None  # pinned int64, not yet handed to a capture
-        self.kept: list[torch.Tensor] = []  # handed to captures
-
-    def set_aside(self, entries: int) -> None:
-        if self.free is None or self.free.numel() < 4 * entries:
-            self.free = torch.empty(max(self.RESERVE, 4 * entries), dtype=torch.int64, pin_memory=True)
-
-    def take(self, rows: list[tuple[int, int, int, int, int]], device: torch.device) -> torch.Tensor | None:
-        """The table on the device, copied by the graph at every replay; None where too little was set aside
-        (a capture without a warm-up call: the launches go per tensor)."""
-        n = 5 * len(rows)
-        if self.free is None or self.free.numel() < n:
-            return None
-        host, self.free = self.free[:n], self.free[n:]
-        host.copy_(_host_table(rows))
-        self.kept.append(host)
-        return host.to(device, non_blocking=True)
-
-
-_GRAPH_TABLES = _GraphTables()
-
-
 def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None:
     """The Triton kernels (on CPU tensors too under TRITON_INTERPRET=1): one launch per pair of dtypes through an
     address table (captured with its copy while a CUDA graph is), or (per_tensor) one launch per tensor."""
     from dpcompile import triton_kernels
 
     starts, _ = tile_starts([s.numel() for s in srcs])
-    recording = kernel_plans.is_recording()  # fake tensors (dpcompile.precompile): no addresses, no table to copy
-    capturing = not recording and seeds.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    recording = kernel_plans.is_recording()  # fake tensors (dpcompile.precompile): no addresses
     by_dtype: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for k, (s, o) in enumerate(zip(srcs, outs)):
         if s.numel():
             by_dtype.setdefault((s.dtype, o.dtype), []).append(k)
-    if not capturing and not recording and seeds.device.type == "cuda":
-        _GRAPH_TABLES.set_aside(5 * sum(len(ks) for ks in by_dtype.values()))
     for ks in by_dtype.values():
         rows, first = [], 0
         for k in ks:
@@ -184,8 +130,7 @@ def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None
             rows.append((0, 0, n, first, starts[k]) if recording else
                         (srcs[k].data_ptr(), outs[k].data_ptr(), n, first, starts[k]))
             first += -(-n // TILE)
-        table = None if per_tensor else seeds.new_empty([5 * len(rows)]) if recording else \
-            _GRAPH_TABLES.take(rows, seeds.device) if capturing else _table(rows, seeds.device)
+        table = None if per_tensor else address_tables.table(rows, seeds.device)
         if table is None:
             for k in ks:
                 n = srcs[k].numel()

@@ -95,10 +95,11 @@ def recorded_launches(gms: list[fx.GraphModule], failed: list | None = None) -> 
     return launches
 
 
-def op_graph(target, *operands: torch.Tensor, extra: tuple = (), device=None) -> fx.GraphModule:
+def op_graph(target, *operands: torch.Tensor, extra: tuple = (), device=None, arrange=None) -> fx.GraphModule:
     """A graph of one call ``target(*operands, *extra)`` whose placeholders' values are fake tensors like the
     operands (same sizes, strides and dtype; on ``device``, or the operands' own): what ``recorded_launches``
-    reads, for benchmarks and tests."""
+    reads, for benchmarks and tests. ``arrange``: the call's arguments from the placeholders instead (an op
+    that takes lists of tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     graph = fx.Graph()
@@ -108,7 +109,8 @@ def op_graph(target, *operands: torch.Tensor, extra: tuple = (), device=None) ->
             n = graph.placeholder(f"x{i}")
             n.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
             nodes.append(n)
-    graph.output(graph.call_function(target, (*nodes, *extra)))
+    args = tuple(arrange(nodes)) if arrange is not None else (*nodes, *extra)
+    graph.output(graph.call_function(target, args))
     return fx.GraphModule(torch.nn.Module(), graph)
 
 

@@ -157,6 +157,44 @@ def zero_rows_kernel(x_ptr, keep_ptr, keep_stride, row_stride, P, s_p, Q, BLOCK:
             p += 1
 
 
+
+@triton.jit
+def zero_rows_table_kernel(table_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # Many tensors in one launch: program (i, t) takes rows i * ROWS .. of tensor t, whose table row holds its
+    # address, its keep flags' address, rows n, the flags' stride, and its row runs in bytes (row stride, P runs
+    # s_p apart, Q bytes each: zeros are zero bytes in every float dtype, so tensors of all dtypes share it). A
+    # program loads its rows' flags at once and returns where all are kept (a step drops no sample as a rule).
+    i = tl.program_id(0)
+    row = table_ptr + 8 * tl.program_id(1)  # dpcompile.zero_rows.ENTRIES
+    n = tl.load(row + 2)
+    keep = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+    keep_stride = tl.load(row + 3)
+    first = i.to(tl.int64) * ROWS
+    js = first + tl.arange(0, ROWS)
+    flags = tl.load(keep + js * keep_stride, mask=js < n, other=1)
+    if tl.min(flags, axis=0) == 0:
+        x = tl.load(row).to(tl.pointer_type(tl.uint8))
+        row_stride = tl.load(row + 4)
+        P = tl.load(row + 5)
+        s_p = tl.load(row + 6)
+        Q = tl.load(row + 7)
+        zeros = tl.zeros([BLOCK], dtype=tl.uint8)
+        r = 0
+        while r < ROWS:
+            j = first + r
+            if j < n:
+                if tl.load(keep + j * keep_stride) == 0:
+                    p = 0
+                    while p < P:
+                        run = x + j * row_stride + p * s_p
+                        q0 = 0
+                        while q0 < Q:
+                            offs = q0 + tl.arange(0, BLOCK)
+                            tl.store(run + offs, zeros, mask=offs < Q)
+                            q0 += BLOCK
+                        p += 1
+            r += 1
+
 # 2^-32: a 32-bit word's weight
 _W = tl.constexpr(2.3283064365386963e-10)
 
@@ -261,7 +299,7 @@ def _add_randn_program(src, out, n, local, program, seed, scale, BLOCK: tl.const
 def add_randn_kernel(table_ptr, tensors, src_ref, out_ref, seeds_ptr, index, scale_ptr, BLOCK: tl.constexpr,
                      APPROX: tl.constexpr = False):
     # One program per 4 BLOCK outputs of one tensor, all tensors of one source and one output dtype (src_ref's
-    # and out_ref's) in one launch. The table (dpcompile.add_randn._table) holds per tensor its source and output
+    # and out_ref's) in one launch. The table (dpcompile.add_randn.launch) holds per tensor its source and output
     # addresses, numel, first program in this launch and first program in the flat draw; a program finds its
     # tensor by a binary search over the first programs (a few loads, from L2: no per-program table to build
     # and copy on the host).

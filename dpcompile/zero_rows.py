@@ -1,47 +1,65 @@
-"""A dropped sample's rows zeroed in place: ``torch.ops.dpcompile.zero_rows_(x, keep, dim)``.
+"""A dropped sample's rows zeroed in place: ``torch.ops.dpcompile.zero_rows_(xs, keeps, dims)`` zeroes, in each
+tensor xs[k], the indices of its dim dims[k] whose keeps[k] entry is False.
 
 bk rebuilds each weight gradient after the clip coefficients from two per-sample operands: one scaled by the
 coefficients (a copy), the other with a dropped sample's rows zeroed, since a dropped sample may hold inf or
 NaN and 0 * inf is NaN. Written as ``where(keep, x, 0)`` that mask is a second full copy of the operand, though
-a step drops no sample as a rule. This op zeroes the rows whose ``keep`` is False where they lie: one program
-per row, kept rows return at once, so the step pays a launch, not a read and a write of the operand
-(dpcompile.passes.inplace_row_masks chooses where it may mutate).
+a step drops no sample as a rule. This op zeroes the rows whose ``keep`` is False where they lie: its programs
+for kept rows return at once, so the step pays a launch, not a read and a write of the operand
+(dpcompile.passes.inplace_row_masks chooses where it may mutate, and masks many operands in one call).
 
-keep: bool, one entry per index of ``x``'s dim ``dim`` (any shape with that many elements). CUDA tensors whose
-rows are runs of contiguous elements (contiguous, channels-last, padded rows, a transposed view) take the
-Triton kernel (CPU tensors too under ``TRITON_INTERPRET=1``, through ``launch``); any other layout and device
-``masked_fill_``, which writes every element.
+keeps[k]: bool, one entry per index of xs[k]'s dim dims[k] (any shape with that many elements). CUDA tensors
+whose rows are runs of contiguous elements (contiguous, channels-last, padded rows, a transposed view) take a
+Triton kernel: one launch for one tensor (``launch``), one for all of a call's tensors on one device through a
+table of their addresses (``launch_table``; a GPT-2-small step masks 49 operands, and such steps are
+launch-bound: 49 launches cost about 1.5 ms of host time). CPU tensors take them too under
+``TRITON_INTERPRET=1``, through those two functions. Any other layout and device: ``masked_fill_``, which writes
+every element.
 """
 from __future__ import annotations
 
 import torch
 
-from . import kernel_plans
+from . import address_tables, kernel_plans
 from .kernel_plans import cached_plan
 
 BLOCK = 1024
+ENTRIES = 8  # table entries per tensor (triton_kernels.zero_rows_table_kernel reads them)
+ROWS = 256  # keep flags one program of the table kernel reads
+TABLE_BLOCK = 1024  # bytes the table kernel zeroes at a time
+MAX_TENSORS = 65535  # a launch's grid dim 1
 
 _LIB = torch.library.Library("dpcompile", "FRAGMENT")
-_LIB.define("zero_rows_(Tensor(a!) x, Tensor keep, int dim) -> ()")
+_LIB.define("zero_rows_(Tensor(a!)[] xs, Tensor[] keeps, int[] dims) -> ()")
 
 
-def zero_rows_(x: torch.Tensor, keep: torch.Tensor, dim: int) -> None:
-    if x.device.type != "cuda" or not _run(x, keep, dim):
-        masked_fill(x, keep, dim)
+def zero_rows_(xs: list[torch.Tensor], keeps: list[torch.Tensor], dims: list[int]) -> None:
+    if not len(xs) == len(keeps) == len(dims):
+        raise ValueError(f"zero_rows_: {len(xs)} tensors, {len(keeps)} keep masks and {len(dims)} dims; give one "
+                         f"mask and one dim per tensor")
+    by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, tuple]]] = {}
+    for x, keep, dim in zip(xs, keeps, dims):
+        plan = _plan(x, keep, dim) if x.device.type == "cuda" else None
+        if plan is None:
+            masked_fill(x, keep, dim)
+        elif plan:
+            by_device.setdefault(x.device.index, []).append((x, keep, dim, plan))
+    for runs in by_device.values():
+        _launch_runs(runs)
 
 
 _LIB.impl("zero_rows_", zero_rows_, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("dpcompile::zero_rows_", lib=_LIB)
-def _(x, keep, dim):
+def _(xs, keeps, dims):
     return None
 
 
-def _kernel():
+def _kernels():
     from dpcompile import triton_kernels
 
-    return triton_kernels.zero_rows_kernel
+    return triton_kernels.zero_rows_kernel, triton_kernels.zero_rows_table_kernel
 
 
 def masked_fill(x: torch.Tensor, keep: torch.Tensor, dim: int) -> None:
@@ -77,9 +95,17 @@ def row_runs(shape, strides, dim: int) -> tuple[int, int, int, int] | None:
 _PLANS: dict = {}  # launch arguments per call signature (kernel_plans.cached_plan)
 
 
-def _plan(x: torch.Tensor, keep: torch.Tensor, dim: int):
-    """(grid, the kernel's other positional arguments, BLOCK); () where there is nothing to zero; None where x's
+def _plan(x: torch.Tensor, keep: torch.Tensor, dim: int) -> tuple | None:
+    """(rows n, the flags' stride, row stride, P, s_p, Q) in x's elements (row_runs), cached per call signature
+    (a step repeats the same calls, and is launch-bound); () where there is nothing to zero; None where x's
     layout has no runs (masked_fill_ then)."""
+    return cached_plan(_PLANS, (x.shape, x.stride(), keep.shape, keep.stride(), keep.dtype, dim),
+                       lambda: _make_plan(x, keep, dim))
+
+
+def _make_plan(x: torch.Tensor, keep: torch.Tensor, dim: int) -> tuple | None:
+    if keep.dtype != torch.bool:
+        raise ValueError(f"zero_rows_: keep must be a bool tensor, got {keep.dtype}")
     runs = row_runs(x.shape, x.stride(), dim)
     if runs is None:
         return None
@@ -89,28 +115,65 @@ def _plan(x: torch.Tensor, keep: torch.Tensor, dim: int):
     if keep.numel() != n:
         raise ValueError(f"zero_rows_: keep has {keep.numel()} entries for {n} rows along dim {dim}")
     keep_stride = keep.stride(dim) if keep.dim() == x.dim() else keep.stride(-1) if keep.dim() else 0
-    row_stride, P, s_p, Q = runs
-    return (n,), (keep_stride, row_stride, P, s_p, Q), min(BLOCK, max(16, _pow2(Q)))
+    return (n, keep_stride, *runs)
 
 
-def _run(x: torch.Tensor, keep: torch.Tensor, dim: int) -> bool:
-    """The Triton kernel where x's layout has row runs (False where it has not). A step calls this once per
-    masked operand (49 times for GPT-2-small) and such steps are launch-bound: one cached plan per call
-    signature, the keep flags passed as they lie."""
-    plan = cached_plan(_PLANS, (x.shape, x.stride(), keep.shape, keep.stride(), dim), lambda: _plan(x, keep, dim))
-    if plan is None:
+def _launch_runs(runs: list[tuple[torch.Tensor, torch.Tensor, int, tuple]], *, table_from: int = 2) -> None:
+    """Tensors with row runs on one device: the table kernel for ``table_from`` or more of them, else the
+    one-tensor kernel per tensor (also where a CUDA graph capture has no pinned memory set aside for a table)."""
+    single, table_kernel = _kernels()
+    left = [] if len(runs) >= table_from else runs
+    for start in range(0, len(runs) if not left else 0, MAX_TENSORS):
+        chunk = runs[start:start + MAX_TENSORS]
+        if not _launch_table(table_kernel, chunk):
+            left = left + chunk
+    for x, keep, _dim, (n, keep_stride, row_stride, P, s_p, Q) in left:
+        kernel_plans.launch(single, (n,), (x, keep, keep_stride, row_stride, P, s_p, Q),
+                            {"BLOCK": min(BLOCK, max(16, _pow2(Q)))})
+
+
+def _launch_table(kernel, runs) -> bool:
+    """One launch over the tensors through a table of (address, flags' address, rows, flags' stride, row stride,
+    P, s_p, Q), the last four in bytes; False where there is no table (launch per tensor then)."""
+    recording = kernel_plans.is_recording()  # fake tensors (dpcompile.precompile): no addresses
+    rows = []
+    for x, keep, _dim, (n, keep_stride, row_stride, P, s_p, Q) in runs:
+        e = x.element_size()
+        rows.append((0 if recording else x.data_ptr(), 0 if recording else keep.data_ptr(), n, keep_stride,
+                     row_stride * e, P, s_p * e, Q * e))
+    table = address_tables.table(rows, runs[0][0].device)
+    if table is None:
         return False
-    if plan:
-        kernel_plans.launch(_kernel(), plan[0], (x, keep, *plan[1]), {"BLOCK": plan[2]})
+    grid = (-(-max(row[2] for row in rows) // ROWS), len(rows))
+    kernel_plans.launch(kernel, grid, (table,), {"ROWS": ROWS, "BLOCK": TABLE_BLOCK})
     return True
 
 
+def _planned(xs, keeps, dims) -> list[tuple[torch.Tensor, torch.Tensor, int, tuple]]:
+    runs = []
+    for x, keep, dim in zip(xs, keeps, dims):
+        plan = _plan(x, keep, dim)
+        if plan is None:
+            raise ValueError(f"zero_rows_: a tensor of shape {tuple(x.shape)} and strides {x.stride()} has no "
+                             f"contiguous runs along dim {dim}")
+        if plan:
+            runs.append((x, keep, dim, plan))
+    return runs
+
+
 def launch(x: torch.Tensor, keep: torch.Tensor, dim: int) -> None:
-    """The Triton kernel (on CPU tensors too under TRITON_INTERPRET=1); x's layout must have row runs. keep: bool,
-    x.shape[dim] entries, as a 1-D vector or shaped [1, .., N, .., 1] like x (any strides)."""
-    if not _run(x, keep, dim):
-        raise ValueError(f"zero_rows_: a tensor of shape {tuple(x.shape)} and strides {x.stride()} has no "
-                         f"contiguous runs along dim {dim}")
+    """The one-tensor Triton kernel (on CPU tensors too under TRITON_INTERPRET=1); x's layout must have row runs.
+    keep: bool, x.shape[dim] entries, as a 1-D vector or shaped [1, .., N, .., 1] like x (any strides)."""
+    _launch_runs(_planned([x], [keep], [dim]))
+
+
+def launch_table(xs: list[torch.Tensor], keeps: list[torch.Tensor], dims: list[int]) -> None:
+    """The table kernel over all the tensors, on one device (CPU tensors under TRITON_INTERPRET=1), whatever
+    their dtypes; every layout must have row runs."""
+    runs = _planned(xs, keeps, dims)
+    if len({x.device for x, *_ in runs}) > 1:
+        raise ValueError("zero_rows_: launch_table takes tensors on one device")
+    _launch_runs(runs, table_from=1)
 
 
 def _pow2(n: int) -> int:

@@ -367,16 +367,23 @@ def test_cuda_gram_norm_kernel_matches_per_sample_gradient_norms():
 
 
 def test_cuda_zero_rows_kernel_matches_masked_fill():
-    """dpcompile::zero_rows_'s Triton kernel compiled for the GPU, every layout of zero_rows_check (channels-last,
-    padded rows, transposed and permuted views), bf16, fp16 and fp32; and the op takes it on CUDA."""
+    """dpcompile::zero_rows_'s Triton kernels compiled for the GPU, every layout of zero_rows_check (channels-last,
+    padded rows, transposed and permuted views), bf16, fp16 and fp32, one tensor a launch and all in one; and the
+    op takes them on CUDA."""
     import zero_rows_check
     from dpcompile import zero_rows
 
     report = zero_rows_check.mismatches(zero_rows.launch, "cuda", [torch.bfloat16, torch.float16, torch.float32])
     assert len(report) == 3 * len(list(zero_rows_check._layouts("cpu", torch.float32))), report
     assert set(report.values()) == {0}, report
-    report = zero_rows_check.mismatches(torch.ops.dpcompile.zero_rows_, "cuda", [torch.bfloat16])
+    report = zero_rows_check.mismatches(lambda x, keep, dim: torch.ops.dpcompile.zero_rows_([x], [keep], [dim]),
+                                        "cuda", [torch.bfloat16])
     assert set(report.values()) == {0}, report
+    # all layouts and dtypes in one launch of the table kernel, and through the op (which takes it for many)
+    for launch_table in (zero_rows.launch_table, torch.ops.dpcompile.zero_rows_):
+        report = zero_rows_check.table_mismatches(launch_table, "cuda", [torch.bfloat16, torch.float32])
+        assert len(report) == 2 * len(list(zero_rows_check._layouts("cpu", torch.float32))), report
+        assert set(report.values()) == {0}, report
 
 
 def test_cuda_direct_launches_match_tritons_launcher():

@@ -16,7 +16,9 @@ ops = torch.ops.dpcompile
 
 def _graph(target, *operands, extra=()):
     """A graph of one call: target(placeholders..., *extra), each placeholder's meta value a fake CUDA tensor
-    like the CPU tensor given."""
+    like the CPU tensor given; extra, where callable, makes the call's arguments from the placeholders."""
+    if callable(extra):
+        return precompile.op_graph(target, *operands, device="cuda", arrange=extra)
     return precompile.op_graph(target, *operands, extra=extra, device="cuda")
 
 
@@ -33,7 +35,8 @@ def _direct(run):
     return calls
 
 
-# each: (CPU operands, the op's other arguments, the op, its launch code on the operands)
+# each: (CPU operands, the op's other arguments (or a function making all its arguments from the placeholders),
+# the op, its launch code on the operands)
 CASES = {
     # gram: an fp32 pair, and a bf16 pair wide enough to be split into pieces
     "gram_fp32": lambda: ((torch.zeros(3, 40, 24), torch.zeros(3, 40, 16)), (), ops.gram_sq_norms.default,
@@ -44,8 +47,12 @@ CASES = {
     "conv": lambda: ((torch.zeros(2, 8, 4, 4), torch.zeros(2, 4, 8, 8)),
                      ([8, 2, 3, 3], [2, 2], [1, 1], [1, 1], 2, 1), ops.conv_weight_sq_norms.default,
                      lambda e, x: conv_sq_norms.launch(e, x, [8, 2, 3, 3], [2, 2], [1, 1], [1, 1], 2, 1)),
-    "zero_rows": lambda: ((torch.zeros(4, 3, 6), torch.ones(3, dtype=torch.bool)), (1,),
+    "zero_rows": lambda: ((torch.zeros(4, 3, 6), torch.ones(3, dtype=torch.bool)), lambda n: ([n[0]], [n[1]], [1]),
                           ops.zero_rows_.default, lambda x, keep: zero_rows.launch(x, keep, 1)),
+    "zero_rows_table": lambda: ((torch.zeros(4, 3, 6), torch.ones(3, dtype=torch.bool), torch.zeros(
+        5, 2, dtype=torch.bfloat16), torch.ones(5, 1, dtype=torch.bool)), lambda n: (n[0::2], n[1::2], [1, 0]),
+        ops.zero_rows_.default,
+        lambda x, keep, y, keep_y: zero_rows.launch_table([x, y], [keep, keep_y], [1, 0])),
     "randn": lambda: ((torch.tensor([3, 4]),), (1, 10000), ops.randn.default,
                       lambda seeds: randn.launch(seeds, 1, 10000)),
 }
@@ -92,7 +99,8 @@ def test_ops_on_other_devices_make_no_launches():
 def test_a_launch_code_that_raises_is_reported_not_raised():
     """zero_rows_ with a mask of the wrong length raises in its launch code: the node is reported and left to
     its first launch (which raises there)."""
-    gm = _graph(ops.zero_rows_.default, torch.zeros(4, 3, 6), torch.ones(5, dtype=torch.bool), extra=(1,))
+    gm = _graph(ops.zero_rows_.default, torch.zeros(4, 3, 6), torch.ones(5, dtype=torch.bool),
+                extra=lambda n: ([n[0]], [n[1]], [1]))
     failed = []
     assert precompile.recorded_launches([gm], failed) == [] and [n.target for n in failed] == [
         ops.zero_rows_.default]

@@ -59,7 +59,7 @@ class _Recorder:
 def _launches(monkeypatch, run) -> list[tuple[str, tuple, dict]]:
     rec = _Recorder()
     monkeypatch.setattr(dpcompile, "triton_kernels", rec)
-    monkeypatch.setattr(zero_rows, "_kernel", lambda: getattr(rec, "zero_rows_kernel"))
+    monkeypatch.setattr(zero_rows, "_kernels", lambda: (rec.zero_rows_kernel, rec.zero_rows_table_kernel))
     run()
     assert rec.launches, "the launch path launched no kernel"
     return rec.launches
@@ -130,6 +130,9 @@ CASES = {
     "gram_split_bf16": lambda mp: _gram_launches(mp, torch.bfloat16, wide=3 * gram_sq_norms.SPLIT_K - 5),
     "zero_rows": lambda mp: _launches(mp, lambda: zero_rows.launch(torch.zeros(4, 3, 6), torch.tensor(
         [True, False, True]), 1)),
+    "zero_rows_table": lambda mp: _launches(mp, lambda: zero_rows.launch_table(
+        [torch.zeros(4, 3, 6), torch.zeros(5, 3, dtype=torch.bfloat16)],
+        [torch.tensor([True, False, True]), torch.ones(5, 1, dtype=torch.bool)], [1, 0])),
 }
 
 

@@ -10,7 +10,8 @@ import torch
 
 def _layouts(device: str, dtype: torch.dtype):
     """(name, x, dim, the storage x lives in): contiguous along each dim, channels-last, rows padded as Inductor
-    pads them (the elements between rows must stay), a transposed view, samples innermost, a 1-D vector."""
+    pads them (the elements between rows must stay), a transposed view, samples innermost, a 1-D vector, more
+    rows than zero_rows.ROWS."""
     def t(*shape):
         return torch.randn(*shape, device=device).to(dtype)
 
@@ -30,15 +31,18 @@ def _layouts(device: str, dtype: torch.dtype):
     yield "permuted", base.permute(2, 0, 1), 1, base
     base = t(9)
     yield "vector", base, 0, base
+    base = t(600, 3)
+    yield "many_rows", base, 0, base  # more rows than one program of the table kernel takes
 
 
-def mismatches(launch, device: str, dtypes) -> dict[str, int]:
-    """Elements of each layout's whole storage that differ from masked_fill_'s (inf and NaN in kept and dropped
-    rows alike), per layout and dtype."""
+def _cases(device: str, dtypes):
+    """(name, x, keep, dim, base, what base must become) for each layout and dtype: inf and NaN in kept and
+    dropped rows alike; keep as a vector, or (every other case) shaped [1, .., N, .., 1] like x as the graph
+    passes it, here every other entry of a wider tensor."""
     from dpcompile import zero_rows
 
     torch.manual_seed(0)
-    report = {}
+    k = 0
     for dt in dtypes:
         for name, x, dim, base in _layouts(device, dt):
             flat = base.as_strided((base.numel(),), (1,))  # the storage, whatever the layout
@@ -46,24 +50,47 @@ def mismatches(launch, device: str, dtypes) -> dict[str, int]:
             flat[3] = float("nan")
             keep = torch.rand(x.shape[dim], device=device) > 0.5
             keep[0], keep[-1] = False, True
-            if len(report) % 2:  # as the graph passes it: shaped [1, .., N, .., 1] like x, here every other entry
+            if k % 2:
                 wide = torch.stack([keep, ~keep], 1).reshape(-1)
                 shape = [1] * x.dim()
                 shape[dim] = x.shape[dim]
                 stride = [1] * x.dim()
                 stride[dim] = 2
                 keep = wide.as_strided(shape, stride)
+            k += 1
             want = base.clone(memory_format=torch.preserve_format)
             want_x = want.as_strided(x.shape, x.stride(), x.storage_offset() - base.storage_offset()
                                      + want.storage_offset())
             zero_rows.masked_fill(want_x, keep, dim)
-            launch(x, keep, dim)
-            same = (base == want) | (base.isnan() & want.isnan())
-            report[f"{name}:{str(dt).split('.')[-1]}"] = int((~same).sum())
+            yield f"{name}:{str(dt).split('.')[-1]}", x, keep, dim, base, want
+
+
+def _differ(base: torch.Tensor, want: torch.Tensor) -> int:
+    same = (base == want) | (base.isnan() & want.isnan())
+    return int((~same).sum())
+
+
+def mismatches(launch, device: str, dtypes) -> dict[str, int]:
+    """Elements of each layout's whole storage that differ from masked_fill_'s, per layout and dtype, each
+    zeroed by its own call launch(x, keep, dim)."""
+    report = {}
+    for name, x, keep, dim, base, want in _cases(device, dtypes):
+        launch(x, keep, dim)
+        report[name] = _differ(base, want)
     return report
+
+
+def table_mismatches(launch_table, device: str, dtypes) -> dict[str, int]:
+    """The same, every layout and dtype zeroed by one call launch_table(xs, keeps, dims)."""
+    cases = list(_cases(device, dtypes))
+    launch_table([c[1] for c in cases], [c[2] for c in cases], [c[3] for c in cases])
+    return {name: _differ(base, want) for name, _x, _keep, _dim, base, want in cases}
 
 
 if __name__ == "__main__":
     from dpcompile import zero_rows
 
-    print(json.dumps(mismatches(zero_rows.launch, "cpu", [torch.float32, torch.bfloat16])))
+    dtypes = [torch.float32, torch.bfloat16]
+    report = {f"one:{k}": v for k, v in mismatches(zero_rows.launch, "cpu", dtypes).items()}
+    report.update({f"table:{k}": v for k, v in table_mismatches(zero_rows.launch_table, "cpu", dtypes).items()})
+    print(json.dumps(report))

@@ -124,13 +124,13 @@ def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None
         if s.numel():
             by_dtype.setdefault((s.dtype, o.dtype), []).append(k)
     for ks in by_dtype.values():
-        rows, first = [], 0
+        entries, first = [], 0  # five per tensor: addresses, numel, first program here and in the flat draw
         for k in ks:
             n = srcs[k].numel()
-            rows.append((0, 0, n, first, starts[k]) if recording else
-                        (srcs[k].data_ptr(), outs[k].data_ptr(), n, first, starts[k]))
+            entries += (0, 0, n, first, starts[k]) if recording else \
+                (srcs[k].data_ptr(), outs[k].data_ptr(), n, first, starts[k])
             first += -(-n // TILE)
-        table = None if per_tensor else address_tables.table(rows, seeds.device)
+        table = None if per_tensor else address_tables.table(entries, seeds.device)
         if table is None:
             for k in ks:
                 n = srcs[k].numel()
@@ -138,4 +138,4 @@ def launch(srcs, outs, seeds, index, scale, *, per_tensor: bool = False) -> None
                                     (srcs[k], outs[k], n, starts[k], seeds, index, scale), _CONSTS)
             continue
         kernel_plans.launch(triton_kernels.add_randn_kernel, (first,),
-                            (table, len(rows), srcs[ks[0]], outs[ks[0]], seeds, index, scale), _CONSTS)
+                            (table, len(ks), srcs[ks[0]], outs[ks[0]], seeds, index, scale), _CONSTS)

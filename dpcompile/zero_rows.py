@@ -37,13 +37,20 @@ def zero_rows_(xs: list[torch.Tensor], keeps: list[torch.Tensor], dims: list[int
     if not len(xs) == len(keeps) == len(dims):
         raise ValueError(f"zero_rows_: {len(xs)} tensors, {len(keeps)} keep masks and {len(dims)} dims; give one "
                          f"mask and one dim per tensor")
-    by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, tuple]]] = {}
+    by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor, tuple]]] = {}
+    keep_keys: dict[int, tuple] = {}  # the masks' part of the plans' keys: a backward's masks share a few keeps
     for x, keep, dim in zip(xs, keeps, dims):
-        plan = _plan(x, keep, dim) if x.device.type == "cuda" else None
+        if not x.is_cuda:
+            masked_fill(x, keep, dim)
+            continue
+        keep_key = keep_keys.get(id(keep))
+        if keep_key is None:
+            keep_key = keep_keys[id(keep)] = _keep_key(keep)
+        plan = _plan(x, keep, dim, keep_key)
         if plan is None:
             masked_fill(x, keep, dim)
         elif plan:
-            by_device.setdefault(x.device.index, []).append((x, keep, dim, plan))
+            by_device.setdefault(x.get_device(), []).append((x, keep, plan))
     for runs in by_device.values():
         _launch_runs(runs)
 
@@ -95,12 +102,18 @@ def row_runs(shape, strides, dim: int) -> tuple[int, int, int, int] | None:
 _PLANS: dict = {}  # launch arguments per call signature (kernel_plans.cached_plan)
 
 
-def _plan(x: torch.Tensor, keep: torch.Tensor, dim: int) -> tuple | None:
-    """(rows n, the flags' stride, row stride, P, s_p, Q) in x's elements (row_runs), cached per call signature
-    (a step repeats the same calls, and is launch-bound); () where there is nothing to zero; None where x's
-    layout has no runs (masked_fill_ then)."""
-    return cached_plan(_PLANS, (x.shape, x.stride(), keep.shape, keep.stride(), keep.dtype, dim),
-                       lambda: _make_plan(x, keep, dim))
+def _keep_key(keep: torch.Tensor) -> tuple:
+    return keep.shape, keep.stride(), keep.dtype
+
+
+def _plan(x: torch.Tensor, keep: torch.Tensor, dim: int, keep_key: tuple | None = None) -> tuple | None:
+    """(rows n, the one-tensor kernel's arguments after x and keep, its BLOCK, the table kernel's entries after
+    the two addresses), cached per call signature (a step repeats the same calls, and is launch-bound: the key
+    is what a call costs on the host); () where there is nothing to zero; None where x's layout has no runs
+    (masked_fill_ then)."""
+    key = (x.shape, x.stride(), x.dtype, keep_key or _keep_key(keep), dim)
+    plan = _PLANS.get(key)
+    return plan if plan is not None else cached_plan(_PLANS, key, lambda: _make_plan(x, keep, dim))
 
 
 def _make_plan(x: torch.Tensor, keep: torch.Tensor, dim: int) -> tuple | None:
@@ -115,10 +128,13 @@ def _make_plan(x: torch.Tensor, keep: torch.Tensor, dim: int) -> tuple | None:
     if keep.numel() != n:
         raise ValueError(f"zero_rows_: keep has {keep.numel()} entries for {n} rows along dim {dim}")
     keep_stride = keep.stride(dim) if keep.dim() == x.dim() else keep.stride(-1) if keep.dim() else 0
-    return (n, keep_stride, *runs)
+    row_stride, P, s_p, Q = runs
+    e = x.element_size()  # the table kernel counts in bytes
+    return (n, (keep_stride, row_stride, P, s_p, Q), min(BLOCK, max(16, _pow2(Q))),
+            (n, keep_stride, row_stride * e, P, s_p * e, Q * e))
 
 
-def _launch_runs(runs: list[tuple[torch.Tensor, torch.Tensor, int, tuple]], *, table_from: int = 2) -> None:
+def _launch_runs(runs: list[tuple[torch.Tensor, torch.Tensor, tuple]], *, table_from: int = 2) -> None:
     """Tensors with row runs on one device: the table kernel for ``table_from`` or more of them, else the
     one-tensor kernel per tensor (also where a CUDA graph capture has no pinned memory set aside for a table)."""
     single, table_kernel = _kernels()
@@ -127,29 +143,27 @@ def _launch_runs(runs: list[tuple[torch.Tensor, torch.Tensor, int, tuple]], *, t
         chunk = runs[start:start + MAX_TENSORS]
         if not _launch_table(table_kernel, chunk):
             left = left + chunk
-    for x, keep, _dim, (n, keep_stride, row_stride, P, s_p, Q) in left:
-        kernel_plans.launch(single, (n,), (x, keep, keep_stride, row_stride, P, s_p, Q),
-                            {"BLOCK": min(BLOCK, max(16, _pow2(Q)))})
+    for x, keep, plan in left:
+        kernel_plans.launch(single, (plan[0],), (x, keep, *plan[1]), {"BLOCK": plan[2]})
 
 
-def _launch_table(kernel, runs) -> bool:
+def _launch_table(kernel, runs: list[tuple[torch.Tensor, torch.Tensor, tuple]]) -> bool:
     """One launch over the tensors through a table of (address, flags' address, rows, flags' stride, row stride,
-    P, s_p, Q), the last four in bytes; False where there is no table (launch per tensor then)."""
+    P, s_p, Q) per tensor, the last four in bytes; False where there is no table (launch per tensor then)."""
     recording = kernel_plans.is_recording()  # fake tensors (dpcompile.precompile): no addresses
-    rows = []
-    for x, keep, _dim, (n, keep_stride, row_stride, P, s_p, Q) in runs:
-        e = x.element_size()
-        rows.append((0 if recording else x.data_ptr(), 0 if recording else keep.data_ptr(), n, keep_stride,
-                     row_stride * e, P, s_p * e, Q * e))
-    table = address_tables.table(rows, runs[0][0].device)
+    entries: list[int] = []
+    for x, keep, plan in runs:
+        entries += (0, 0) if recording else (x.data_ptr(), keep.data_ptr())
+        entries += plan[3]
+    table = address_tables.table(entries, runs[0][0].device)
     if table is None:
         return False
-    grid = (-(-max(row[2] for row in rows) // ROWS), len(rows))
+    grid = (-(-max(plan[0] for _x, _keep, plan in runs) // ROWS), len(runs))
     kernel_plans.launch(kernel, grid, (table,), {"ROWS": ROWS, "BLOCK": TABLE_BLOCK})
     return True
 
 
-def _planned(xs, keeps, dims) -> list[tuple[torch.Tensor, torch.Tensor, int, tuple]]:
+def _planned(xs, keeps, dims) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
     runs = []
     for x, keep, dim in zip(xs, keeps, dims):
         plan = _plan(x, keep, dim)
@@ -157,7 +171,7 @@ def _planned(xs, keeps, dims) -> list[tuple[torch.Tensor, torch.Tensor, int, tup
             raise ValueError(f"zero_rows_: a tensor of shape {tuple(x.shape)} and strides {x.stride()} has no "
                              f"contiguous runs along dim {dim}")
         if plan:
-            runs.append((x, keep, dim, plan))
+            runs.append((x, keep, plan))
     return runs
 
 
@@ -171,7 +185,7 @@ def launch_table(xs: list[torch.Tensor], keeps: list[torch.Tensor], dims: list[i
     """The table kernel over all the tensors, on one device (CPU tensors under TRITON_INTERPRET=1), whatever
     their dtypes; every layout must have row runs."""
     runs = _planned(xs, keeps, dims)
-    if len({x.device for x, *_ in runs}) > 1:
+    if len({x.device for x, _keep, _plan in runs}) > 1:
         raise ValueError("zero_rows_: launch_table takes tensors on one device")
     _launch_runs(runs, table_from=1)
 

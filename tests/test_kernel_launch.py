@@ -120,3 +120,18 @@ def test_objects_that_are_not_compiled_kernels_always_take_the_plain_call(fresh)
     for _ in range(3):
         kernel_plans.launch(k, (1,), (torch.zeros(4), 1), {"BLOCK": 16})
     assert len(k.slow) == 3 and not kernel_plans._COMPILED
+
+
+def test_address_tables_hold_the_entries_as_given():
+    """dpcompile.address_tables (the noise's and the row masks' tables): the int64 entries in order, 64-bit
+    values intact; an empty table; while launches are recorded, a table of the right size without addresses."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile import address_tables
+
+    entries = [0, -3, 2 ** 40 + 7, 2 ** 63 - 1, 5]
+    assert address_tables.table(entries, torch.device("cpu")).tolist() == entries
+    assert address_tables.host_table([]).shape == (0,)
+    with FakeTensorMode(), kernel_plans.recording():
+        recorded = address_tables.table(entries, torch.device("cpu"))
+    assert recorded.shape == (5,) and recorded.dtype == torch.int64

@@ -79,21 +79,42 @@ def conv_weight_sq_norms_kernel(
 
 @triton.jit
 def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo, k_hi, K_LEN: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DIAG: tl.constexpr):
     """[BLOCK_S, BLOCK_S] fp32: rows offs_i against rows offs_j of one sample's [S, F] operand at base, over its
     features [k_lo, k_hi), k_hi - k_lo <= K_LEN. The loop's trip count is the constexpr K_LEN (Triton 3.6's
     interpreter cannot take a value computed from the program id as a range bound; a static count also lets the
-    compiler pipeline it); features at k_hi and beyond are masked."""
+    compiler pipeline it); features at k_hi and beyond are masked. DIAG: offs_j is offs_i, and the rows are
+    loaded once (the two Grams of a diagonal tile read half the bytes: an LM head's Gram over 50257 logits is
+    bound by those reads)."""
     acc = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
     for kk in range(0, K_LEN, BLOCK_K):
         offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
         x = tl.load(base + offs_i[:, None] * s_s + offs_k[None, :] * s_f,
                     mask=mask_i[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
-        y = tl.load(base + offs_j[None, :] * s_s + offs_k[:, None] * s_f,
-                    mask=mask_k[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_K, BLOCK_S]
+        if DIAG:
+            y = tl.trans(x)
+        else:
+            y = tl.load(base + offs_j[None, :] * s_s + offs_k[:, None] * s_f,
+                        mask=mask_k[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_K, BLOCK_S]
         acc = tl.dot(x, y, acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def _gram_pair_sum(a_base, sa_s, sa_f, g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, s,
+                   P: tl.constexpr, M: tl.constexpr, SPLITS: tl.constexpr, KS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DIAG: tl.constexpr):
+    """The sum of the product of A's Gram tile (all P features) and G's (piece s of M's, KS each)."""
+    ga = _gram_tile(a_base, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, 0, P, P, BLOCK_S, BLOCK_K, PRECISION, DIAG)
+    if SPLITS == 1:
+        gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, M, BLOCK_S, BLOCK_K, PRECISION,
+                        DIAG)
+    else:
+        k_lo = s * KS
+        gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, k_lo, tl.minimum(k_lo + KS, M), KS,
+                        BLOCK_S, BLOCK_K, PRECISION, DIAG)
+    return tl.sum(tl.sum(ga * gg, axis=1), axis=0)
 
 
 @triton.jit
@@ -101,16 +122,17 @@ def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg
                          S: tl.constexpr, P: tl.constexpr, M: tl.constexpr, TILES: tl.constexpr,
                          SPLITS: tl.constexpr, KS: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # One program per (sample, tile pair, piece of G's features), a sample's programs adjacent: they read the same
-    # rows, from L2. <A A^T, G G^T> is linear in G G^T, the sum of its pieces' Grams over features [s KS,
-    # (s + 1) KS): a program computes A's Gram tile whole and G's over its piece, and its partial sum is exact to
-    # add. Where G is wide (an LM head's 50257 logits) that gives the GPU programs enough to fill it (a sample's
-    # three tile pairs at 256 tokens, 96 programs at batch 32, left SMs idle over a 50257-long loop).
+    # One program per (sample, piece of G's features, tile pair), the tile pairs of one piece adjacent: they read
+    # the same rows of the piece, from L2 (G [8192, 50257] of an LM head is 0.8 GB: read once, not once per
+    # tile pair, where it can). <A A^T, G G^T> is linear in G G^T, the sum of its pieces' Grams over features
+    # [s KS, (s + 1) KS): a program computes A's Gram tile whole and G's over its piece, and its partial sum is
+    # exact to add. Where G is wide that gives the GPU programs enough to fill it (a sample's three tile pairs at
+    # 256 tokens, 96 programs at batch 32, left SMs idle over a 50257-long loop).
     pid = tl.program_id(0)
-    s = pid % SPLITS
-    pair = pid // SPLITS
-    b = pair // (TILES * TILES)
-    i = pair % (TILES * TILES) // TILES
+    pair = pid % (TILES * TILES)
+    s = pid // (TILES * TILES) % SPLITS
+    b = pid // (TILES * TILES * SPLITS)
+    i = pair // TILES
     j = pair % TILES
     out = out_ptr + pid
     if j < i:  # the Gram matrices are symmetric: tile (j, i) counts for this one
@@ -120,20 +142,15 @@ def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg
         offs_j = j * BLOCK_S + tl.arange(0, BLOCK_S)
         mask_i = offs_i < S
         mask_j = offs_j < S
-        # the two Gram tiles, [BLOCK_S, BLOCK_S] fp32 each: rows offs_i against rows offs_j of the sample's
-        # A [S, P] and G [S, M]
-        ga = _gram_tile(a_ptr + b.to(tl.int64) * sa_b, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, 0, P, P,
-                        BLOCK_S, BLOCK_K, PRECISION)
+        a_base = a_ptr + b.to(tl.int64) * sa_b
         g_base = g_ptr + b.to(tl.int64) * sg_b
-        if SPLITS == 1:
-            gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, M, BLOCK_S, BLOCK_K,
-                            PRECISION)
+        if i == j:
+            total = _gram_pair_sum(a_base, sa_s, sa_f, g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, s,
+                                   P, M, SPLITS, KS, BLOCK_S, BLOCK_K, PRECISION, True)
         else:
-            k_lo = s * KS
-            gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, k_lo, tl.minimum(k_lo + KS, M),
-                            KS, BLOCK_S, BLOCK_K, PRECISION)
-        total = tl.sum(tl.sum(ga * gg, axis=1), axis=0)
-        tl.store(out, tl.where(i == j, total, 2.0 * total))
+            total = 2.0 * _gram_pair_sum(a_base, sa_s, sa_f, g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j,
+                                         s, P, M, SPLITS, KS, BLOCK_S, BLOCK_K, PRECISION, False)
+        tl.store(out, total)
 
 
 @triton.jit

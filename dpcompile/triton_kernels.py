@@ -160,19 +160,23 @@ def zero_rows_kernel(x_ptr, keep_ptr, keep_stride, row_stride, P, s_p, Q, BLOCK:
     # s_p apart, are overwritten with zeros.
     j = tl.program_id(0)
     if tl.load(keep_ptr + j * keep_stride) == 0:
-        base = x_ptr + j.to(tl.int64) * row_stride
-        zeros = tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty)
-        # while, not range(): Triton 3.6's interpreter cannot take a scalar argument as a range bound
-        p = 0
-        while p < P:
-            run = base + tl.cast(p, tl.int64) * s_p
-            q0 = 0
-            while q0 < Q:
-                offs = q0 + tl.arange(0, BLOCK)
-                tl.store(run + offs, zeros, mask=offs < Q)
-                q0 += BLOCK
-            p += 1
+        _zero_row(x_ptr + j.to(tl.int64) * row_stride, P, s_p, Q, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty),
+                  BLOCK)
 
+
+@triton.jit
+def _zero_row(base, P, s_p, Q, zeros, BLOCK: tl.constexpr):
+    # P runs of Q elements of base's type, s_p apart, overwritten with zeros; while, not range(): Triton 3.6's
+    # interpreter cannot take a scalar argument as a range bound
+    p = 0
+    while p < P:
+        run = base + tl.cast(p, tl.int64) * s_p
+        q0 = 0
+        while q0 < Q:
+            offs = q0 + tl.arange(0, BLOCK)
+            tl.store(run + offs, zeros, mask=offs < Q)
+            q0 += BLOCK
+        p += 1
 
 
 @triton.jit
@@ -201,16 +205,9 @@ def zero_rows_table_kernel(table_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
             j = first + r
             if j < n:
                 if tl.load(keep + j * keep_stride) == 0:
-                    p = 0
-                    while p < P:
-                        run = x + j * row_stride + p * s_p
-                        q0 = 0
-                        while q0 < Q:
-                            offs = q0 + tl.arange(0, BLOCK)
-                            tl.store(run + offs, zeros, mask=offs < Q)
-                            q0 += BLOCK
-                        p += 1
+                    _zero_row(x + j * row_stride, P, s_p, Q, zeros, BLOCK)
             r += 1
+
 
 # 2^-32: a 32-bit word's weight
 _W = tl.constexpr(2.3283064365386963e-10)

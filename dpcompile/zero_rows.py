@@ -155,6 +155,7 @@ def _launch_table(kernel, runs: list[tuple[torch.Tensor, torch.Tensor, tuple]]) 
     for x, keep, plan in runs:
         entries += (0, 0) if recording else (x.data_ptr(), keep.data_ptr())
         entries += plan[3]
+    assert len(entries) == ENTRIES * len(runs), (len(entries), len(runs))
     table = address_tables.table(entries, runs[0][0].device)
     if table is None:
         return False

@@ -201,7 +201,7 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
     tf32 = dtype == torch.float32 and e.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     key = (e4.shape, e4.stride(), x4.shape, x4.stride(), dtype, tf32, tuple(weight_shape), tuple(stride),
            tuple(padding), tuple(dilation), groups, rows, tuple(sorted(config.items())) if config else None, keep)
-    B, n_parts, grid, args, consts = cached_plan(
+    B, n_parts, grid, args, consts, plan_id = cached_plan(
         _PLANS, key, lambda: _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config,
                                    keep))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=e.device)
@@ -210,12 +210,13 @@ def launch(e, x, weight_shape, stride, padding, dilation, groups, rows, config: 
         from dpcompile import triton_kernels
 
         kernel_plans.launch(triton_kernels.conv_weight_sq_norms_kernel, grid,
-                            (e4, x4, out, out if grads is None else grads, *args), consts)
+                            (e4, x4, out, out if grads is None else grads, *args), consts, plan_id)
     return (out, grads) if keep else out
 
 
 def _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, rows, config, keep=False):
-    """(B, parts, grid, the kernel's other positional arguments, its keyword ones) for one call signature."""
+    """(B, parts, grid, the kernel's other positional arguments, its keyword ones, their kernel_plans.launch_id)
+    for one call signature."""
     B = e4.shape[0] // rows
     kernel, st, pad, dil = _geometry(weight_shape, stride, padding, dilation)
     cout_g, cin_g = weight_shape[0] // groups, weight_shape[1]
@@ -228,4 +229,4 @@ def _plan(e4, x4, dtype, tf32, weight_shape, stride, padding, dilation, groups, 
             groups, n_parts, n_pos)
     consts = dict(KH=kernel[0], KW=kernel[1], SH=st[0], SW=st[1], PH=pad[0], PW=pad[1], DH=dil[0], DW=dil[1],
                   PRECISION=precision, KEEP=keep, **cfg)
-    return B, n_parts, (B * n_parts,), args, consts
+    return B, n_parts, (B * n_parts,), args, consts, kernel_plans.launch_id()

@@ -116,17 +116,18 @@ def launch(a, g, config: dict | None = None):
     tf32 = dtype == torch.float32 and a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     key = (a.shape, a.stride(), g.shape, g.stride(), dtype, tf32, SPLIT_K,
            tuple(sorted(config.items())) if config else None)
-    B, n_parts, grid, args, consts = cached_plan(_PLANS, key, lambda: _plan(a, g, dtype, tf32, config))
+    B, n_parts, grid, args, consts, plan_id = cached_plan(_PLANS, key, lambda: _plan(a, g, dtype, tf32, config))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=a.device)
     if B:
         from dpcompile import triton_kernels
 
-        kernel_plans.launch(triton_kernels.gram_sq_norms_kernel, grid, (a, g, out, *args), consts)
+        kernel_plans.launch(triton_kernels.gram_sq_norms_kernel, grid, (a, g, out, *args), consts, plan_id)
     return out
 
 
 def _plan(a, g, dtype, tf32, config):
-    """(B, parts, grid, the kernel's other positional arguments, its keyword ones) for one call signature."""
+    """(B, parts, grid, the kernel's other positional arguments, its keyword ones, their kernel_plans.launch_id)
+    for one call signature."""
     B, S, P = a.shape
     cfg = {**launch_config(block(S)), **(config or {})}
     M = g.shape[2]
@@ -136,4 +137,5 @@ def _plan(a, g, dtype, tf32, config):
     piece = -(-piece // cfg["BLOCK_K"]) * cfg["BLOCK_K"]  # whole K steps (a last piece may be empty: adds 0)
     precision = ("tf32" if tf32 else "ieee") if dtype == torch.float32 else None
     consts = dict(S=S, P=P, M=M, TILES=tiles, SPLITS=n, KS=piece, PRECISION=precision, **cfg)
-    return B, tiles * tiles * n, (B * tiles * tiles * n,), (*a.stride(), *g.stride()), consts
+    grid = (B * tiles * tiles * n,)
+    return B, tiles * tiles * n, grid, (*a.stride(), *g.stride()), consts, kernel_plans.launch_id()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -48,23 +49,40 @@ def _spec(value: Any) -> Any:
     """What Triton specialises a launch argument on, exactly enough to tell its compiled kernels apart: a
     tensor's dtype, device and whether its address is 16-byte aligned; any other argument's value."""
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.device.index, value.data_ptr() % 16 == 0
+        return value.dtype, value.get_device(), value.data_ptr() % 16 == 0
     return value
 
 
-def launch(kernel: Any, grid: tuple, args: tuple, consts: dict) -> None:
+_LAUNCH_IDS = itertools.count(1)
+
+
+def launch_id() -> int:
+    """A number that stands for one kernel's non-tensor arguments and constexprs in ``launch``: a cached plan
+    makes one, and its launches are then looked up by it and their tensors' specialisations only. The full key
+    (every argument's and constexpr's value) took 20 us of a Gram norm launch's host time on a CPU core of the
+    CI machine, this one 4. Never reused: a new plan for the same values gets a new number (one more lookup)."""
+    return next(_LAUNCH_IDS)
+
+
+def launch(kernel: Any, grid: tuple, args: tuple, consts: dict, plan_id: int | None = None) -> None:
     """``kernel[grid](*args, **consts)`` (args positional, consts by name: constexprs and launch options), with
     Triton's lookup of the compiled kernel done once per specialisation of the arguments. CUDA tensors; under
     TRITON_INTERPRET=1, or for an object that is not a compiled Triton kernel (a test's recorder), the plain call.
-    Inside ``recording()`` the launch is recorded, not made."""
+    Inside ``recording()`` the launch is recorded, not made. ``plan_id`` (``launch_id()``): the caller's promise
+    that every launch with it has the same non-tensor arguments and consts."""
     calls = _RECORDING.calls
     if calls is not None:
         calls.append((kernel, grid, args, consts))
         return
-    key = (kernel, tuple(map(_spec, args)), tuple(consts.items()))
+    if plan_id is None:
+        key = (kernel, tuple(map(_spec, args)), tuple(consts.items()))
+    else:
+        key = (kernel, plan_id, *[(a.dtype, a.get_device(), a.data_ptr() % 16 == 0) for a in args
+                                  if isinstance(a, torch.Tensor)])
     entry = _COMPILED.get(key)
     if entry is None:
-        pending = _PENDING.pop(key, None)
+        full = key if plan_id is None else (kernel, tuple(map(_spec, args)), tuple(consts.items()))
+        pending = _PENDING.pop(full, None)
         if pending is not None:  # its compile, started by precompile(); a failed one is redone (and raises) below
             pending.exception()
         compiled = kernel[grid](*args, **consts)
@@ -112,13 +130,19 @@ def _stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+_RUNTIME_KNOBS: list = []  # triton.knobs.runtime, once imported (an import statement per launch costs host time)
+
+
 def _hooks():
     """Triton's launch hooks (set by its profiler, proton), passed on as its launcher does; None for a hook chain
     with nothing in it (Triton's knobs hold a chain object, never None, so its own launcher builds each launch's
     metadata and calls the empty chains: host time for nothing)."""
-    from triton import knobs
+    if not _RUNTIME_KNOBS:
+        from triton import knobs
 
-    return _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+        _RUNTIME_KNOBS.append(knobs.runtime)
+    runtime = _RUNTIME_KNOBS[0]
+    return _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
 
 
 def _hook(hook):
@@ -161,7 +185,7 @@ def _aligned_spec(value: Any) -> Any:
     """_spec of a tensor at a 16-byte aligned address (what the caching allocator hands out), from its dtype and
     device alone: the recorded operands are fake."""
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.device.index, True
+        return value.dtype, value.get_device(), True
     return value
 
 

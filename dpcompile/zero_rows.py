@@ -28,6 +28,8 @@ ENTRIES = 8  # table entries per tensor (triton_kernels.zero_rows_table_kernel r
 ROWS = 256  # keep flags one program of the table kernel reads
 TABLE_BLOCK = 1024  # bytes the table kernel zeroes at a time
 MAX_TENSORS = 65535  # a launch's grid dim 1
+_TABLE_CONSTS = {"ROWS": ROWS, "BLOCK": TABLE_BLOCK}
+_TABLE_LAUNCH = kernel_plans.launch_id()  # the table kernel's only other argument is the table
 
 _LIB = torch.library.Library("dpcompile", "FRAGMENT")
 _LIB.define("zero_rows_(Tensor(a!)[] xs, Tensor[] keeps, int[] dims) -> ()")
@@ -107,10 +109,10 @@ def _keep_key(keep: torch.Tensor) -> tuple:
 
 
 def _plan(x: torch.Tensor, keep: torch.Tensor, dim: int, keep_key: tuple | None = None) -> tuple | None:
-    """(rows n, the one-tensor kernel's arguments after x and keep, its BLOCK, the table kernel's entries after
-    the two addresses), cached per call signature (a step repeats the same calls, and is launch-bound: the key
-    is what a call costs on the host); () where there is nothing to zero; None where x's layout has no runs
-    (masked_fill_ then)."""
+    """(rows n, the one-tensor kernel's arguments after x and keep, its constexprs, the table kernel's entries
+    after the two addresses, the one-tensor launch's kernel_plans.launch_id), cached per call signature (a step
+    repeats the same calls, and is launch-bound: the key is what a call costs on the host); () where there is
+    nothing to zero; None where x's layout has no runs (masked_fill_ then)."""
     key = (x.shape, x.stride(), x.dtype, keep_key or _keep_key(keep), dim)
     plan = _PLANS.get(key)
     return plan if plan is not None else cached_plan(_PLANS, key, lambda: _make_plan(x, keep, dim))
@@ -130,8 +132,8 @@ def _make_plan(x: torch.Tensor, keep: torch.Tensor, dim: int) -> tuple | None:
     keep_stride = keep.stride(dim) if keep.dim() == x.dim() else keep.stride(-1) if keep.dim() else 0
     row_stride, P, s_p, Q = runs
     e = x.element_size()  # the table kernel counts in bytes
-    return (n, (keep_stride, row_stride, P, s_p, Q), min(BLOCK, max(16, _pow2(Q))),
-            (n, keep_stride, row_stride * e, P, s_p * e, Q * e))
+    return (n, (keep_stride, row_stride, P, s_p, Q), {"BLOCK": min(BLOCK, max(16, _pow2(Q)))},
+            (n, keep_stride, row_stride * e, P, s_p * e, Q * e), kernel_plans.launch_id())
 
 
 def _launch_runs(runs: list[tuple[torch.Tensor, torch.Tensor, tuple]], *, table_from: int = 2) -> None:
@@ -144,7 +146,7 @@ def _launch_runs(runs: list[tuple[torch.Tensor, torch.Tensor, tuple]], *, table_
         if not _launch_table(table_kernel, chunk):
             left = left + chunk
     for x, keep, plan in left:
-        kernel_plans.launch(single, (plan[0],), (x, keep, *plan[1]), {"BLOCK": plan[2]})
+        kernel_plans.launch(single, (plan[0],), (x, keep, *plan[1]), plan[2], plan[4])
 
 
 def _launch_table(kernel, runs: list[tuple[torch.Tensor, torch.Tensor, tuple]]) -> bool:
@@ -160,7 +162,7 @@ def _launch_table(kernel, runs: list[tuple[torch.Tensor, torch.Tensor, tuple]]) 
     if table is None:
         return False
     grid = (-(-max(plan[0] for _x, _keep, plan in runs) // ROWS), len(runs))
-    kernel_plans.launch(kernel, grid, (table,), {"ROWS": ROWS, "BLOCK": TABLE_BLOCK})
+    kernel_plans.launch(kernel, grid, (table,), _TABLE_CONSTS, _TABLE_LAUNCH)
     return True
 
 

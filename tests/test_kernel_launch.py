@@ -78,6 +78,24 @@ def test_each_specialisation_is_looked_up_once(fresh):
     assert base[1:].data_ptr() % 16 != 0
 
 
+def test_a_plan_id_stands_for_the_other_arguments(fresh):
+    """With a plan id (kernel_plans.launch_id: a cached plan's promise that its integers and constexprs are the
+    same), a launch is looked up by the id and its tensors' dtype, device and alignment: a tensor at a pointer
+    that is not 16-byte aligned, or another plan, still goes through Triton's launcher once."""
+    k = _Kernel()
+    base = torch.zeros(64)
+    plan, other = kernel_plans.launch_id(), kernel_plans.launch_id()
+    calls = [((base, 7), {"BLOCK": 128}, plan), ((base[1:], 7), {"BLOCK": 128}, plan),
+             ((base.double(), 7), {"BLOCK": 128}, plan), ((base, 8), {"BLOCK": 64}, other)]
+    for args, consts, plan_id in calls + calls:
+        kernel_plans.launch(k, (1,), args, consts, plan_id)
+    assert len(k.slow) == len(calls) == len(kernel_plans._COMPILED)
+    runs = [c.runs for c, _, _ in kernel_plans._COMPILED.values()]
+    assert [len(r) for r in runs] == [1] * len(calls)
+    assert runs[3][0][-4:] == (base, 8, 64, False)  # the other plan's arguments, its constexprs after them
+    assert plan != other and kernel_plans.launch_id() > other
+
+
 def test_hooks_get_the_launch_metadata(fresh, monkeypatch):
     monkeypatch.setattr(kernel_plans, "_hooks", lambda: ("enter", None))
     k = _Kernel()

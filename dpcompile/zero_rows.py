@@ -29,7 +29,8 @@ ROWS = 256  # keep flags one program of the table kernel reads
 TABLE_BLOCK = 1024  # bytes the table kernel zeroes at a time
 MAX_TENSORS = 65535  # a launch's grid dim 1
 _TABLE_CONSTS = {"ROWS": ROWS, "BLOCK": TABLE_BLOCK}
-_TABLE_LAUNCH = kernel_plans.launch_id()  # the table kernel's only other argument is the table
+_table_plan_id = kernel_plans.launch_id()  # the table kernel's only other argument is the table (lower case:
+# not a setting, compile_cache.settings, whose value depends on import order)
 
 _LIB = torch.library.Library("dpcompile", "FRAGMENT")
 _LIB.define("zero_rows_(Tensor(a!)[] xs, Tensor[] keeps, int[] dims) -> ()")
@@ -162,7 +163,7 @@ def _launch_table(kernel, runs: list[tuple[torch.Tensor, torch.Tensor, tuple]]) 
     if table is None:
         return False
     grid = (-(-max(plan[0] for _x, _keep, plan in runs) // ROWS), len(runs))
-    kernel_plans.launch(kernel, grid, (table,), _TABLE_CONSTS, _TABLE_LAUNCH)
+    kernel_plans.launch(kernel, grid, (table,), _TABLE_CONSTS, _table_plan_id)
     return True
 
 

@@ -969,8 +969,35 @@ def plot(results: list[dict], path: str) -> None:
 STATUS_RANK = {"ok": 2, "skipped": 0}  # a merge keeps the best row of a key: ok, then fail/OOM/timeout/stopped
 
 
+def pool_rounds(results: list[dict]) -> list[dict]:
+    """--rounds: the rows of one shape, dtype, mode and ranks as one. Each round runs a mode in a process of its
+    own, and on the device machines' hosts the same step's median moves by up to 20 % from one process to the
+    next (GPT-2 32x256 bf16 bk: 21.8 to 25.8 ms), so one process per mode cannot compare two within 5 %. The
+    pooled row's median_ms is the median of its ok rounds' medians (``round_ms``, in run order), min_ms and
+    peak_gib the extremes, compile_and_warmup_s the first round's (the cold compile), ``rounds`` "ok/run"; a
+    mode with no ok round keeps its last row."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((label(r), mode_name(r), r.get("ranks", 1)), []).append(r)
+    pooled = []
+    for rows in groups.values():
+        ok = [r for r in rows if r["status"] == "ok"]
+        if len(rows) == 1 or not ok:
+            pooled.append(rows[-1])
+            continue
+        row = {**ok[0], "round_ms": [r["median_ms"] for r in ok], "rounds": f"{len(ok)}/{len(rows)}"}
+        row["median_ms"] = statistics.median(row["round_ms"])
+        row["min_ms"] = min(r["min_ms"] for r in ok)
+        peaks = [r["peak_gib"] for r in ok if r.get("peak_gib") is not None]
+        row["peak_gib"] = max(peaks) if peaks else None
+        pooled.append(row)
+    return pooled
+
+
 def finish(results: list[dict]) -> list[dict]:
-    """Ratios recomputed, rows sorted: the calls' order of shapes and dtypes, modes as in MODES, then ranks."""
+    """Rounds pooled, ratios recomputed, rows sorted: the calls' order of shapes and dtypes, modes as in MODES,
+    then ranks."""
+    results = pool_rounds(results)
     add_ratios(results)
     groups = list(dict.fromkeys(label(r) for r in results))
     return sorted(results, key=lambda r: (groups.index(label(r)),
@@ -1023,6 +1050,8 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
                   kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None,
                   host_profile=os.path.abspath(args.host_profile) if args.host_profile else None)
              for (m, b, t) in args.shapes for dt in args.dtypes for mode in args.modes]
+    # --rounds: every mode again after all the others, in the same order (pool_rounds joins them)
+    specs = specs if args.rounds == 1 else [{**s, "round": k} for k in range(args.rounds) for s in specs]
     results: list[dict] = []
     stopped = None
     for n, spec in enumerate(specs, 1):
@@ -1087,6 +1116,9 @@ def main(argv=None) -> int:
                          "'unbacked', beside the static-batch rows of another call (what the unbacked size costs "
                          "Inductor, measured on one GPU)")
     ap.add_argument("--llama-tied", action="store_true", help="tie Llama's LM head to its embedding (Opacus refuses)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every mode this many times, each round after all modes of the one before, each run a "
+                         "process of its own; a mode's median is the median of its rounds' (pool_rounds)")
     ap.add_argument("--mode-timeout", type=float, default=600, help="seconds one mode may take, compile included")
     ap.add_argument("--logs", default=None, help="directory for each mode's full output")
     ap.add_argument("--memory-snapshots", default=None, metavar="DIR",
@@ -1136,8 +1168,8 @@ def main(argv=None) -> int:
             ap.error(str(exc))
         args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3)
         args.iters = args.iters if args.iters is not None else (3 if args.tiny else 10)
-        if args.iters < 1 or args.warmup < 0:
-            ap.error("--iters must be at least 1 and --warmup at least 0")
+        if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+            ap.error("--iters and --rounds must be at least 1 and --warmup at least 0")
         if args.unbacked and args.shard:
             ap.error("--unbacked is for one process: a sharded step's batch size is unbacked already")
         if args.overlap and args.bucket_mb in (None, "off"):
@@ -1161,6 +1193,10 @@ def main(argv=None) -> int:
         extra = {}
     results = finish(results)
     print_table(results)
+    for r in results:
+        if "round_ms" in r:
+            print(f"rounds: {label(r)} {mode_name(r)}: {', '.join(f'{v:.1f}' for v in r['round_ms'])} ms "
+                  f"({r['rounds']} ok)")
     if args.markdown:
         print()
         print_markdown(results)

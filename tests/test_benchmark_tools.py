@@ -47,3 +47,28 @@ def test_unbacked_rows_compile_the_dp_step_with_an_unbacked_batch():
     assert anchors.mode_name(spec) == "bk unbacked"
     assert anchors.mode_name({**spec, "mode": "nonprivate"}) == "nonprivate"
     assert anchors.mode_name({**spec, "unbacked": False}) == "bk"
+
+
+def test_rounds_pool_into_one_row_per_mode():
+    """--rounds: a mode's rows become one whose median is the median of its rounds' medians; the ratio is taken
+    between pooled rows; a failed round is left out and counted; a mode with no ok round keeps its last row."""
+    def row(mode, ms, status="ok", peak=1.0):
+        r = dict(model="gpt", B=32, T=256, dtype="bf16", mode=mode, status=status, ranks=1)
+        if status == "ok":
+            r.update(median_ms=ms, min_ms=ms - 0.5, peak_gib=peak, compile_and_warmup_s=ms)
+        return r
+
+    rows = [row("nonprivate", 18.0), row("bk", 25.0), row("ghost", 0, "timeout"),
+            row("nonprivate", 19.0), row("bk", 21.0, peak=2.0), row("ghost", 0, "oom"),
+            row("nonprivate", 18.5), row("bk", 0, "timeout")]
+    pooled = anchors.finish(rows)
+    by_mode = {r["mode"]: r for r in pooled}
+    assert len(pooled) == 3
+    assert by_mode["nonprivate"]["round_ms"] == [18.0, 19.0, 18.5] and by_mode["nonprivate"]["median_ms"] == 18.5
+    bk = by_mode["bk"]
+    assert bk["round_ms"] == [25.0, 21.0] and bk["median_ms"] == 23.0 and bk["rounds"] == "2/3"
+    assert bk["min_ms"] == 20.5 and bk["peak_gib"] == 2.0 and bk["compile_and_warmup_s"] == 25.0
+    assert abs(bk["time_ratio"] - 23.0 / 18.5) < 1e-12
+    assert by_mode["ghost"]["status"] == "oom" and "round_ms" not in by_mode["ghost"]
+    single = anchors.finish([row("nonprivate", 18.0), row("bk", 21.0)])
+    assert all("round_ms" not in r for r in single)

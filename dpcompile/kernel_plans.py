@@ -77,8 +77,7 @@ def launch(kernel: Any, grid: tuple, args: tuple, consts: dict, plan_id: int | N
     if plan_id is None:
         key = (kernel, tuple(map(_spec, args)), tuple(consts.items()))
     else:
-        key = (kernel, plan_id, *[(a.dtype, a.get_device(), a.data_ptr() % 16 == 0) for a in args
-                                  if isinstance(a, torch.Tensor)])
+        key = (kernel, plan_id, *[_spec(a) for a in args if isinstance(a, torch.Tensor)])
     entry = _COMPILED.get(key)
     if entry is None:
         full = key if plan_id is None else (kernel, tuple(map(_spec, args)), tuple(consts.items()))

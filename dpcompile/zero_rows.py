@@ -43,13 +43,10 @@ def zero_rows_(xs: list[torch.Tensor], keeps: list[torch.Tensor], dims: list[int
     by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor, tuple]]] = {}
     keep_keys: dict[int, tuple] = {}  # the masks' part of the plans' keys: a backward's masks share a few keeps
     for x, keep, dim in zip(xs, keeps, dims):
-        if not x.is_cuda:
-            masked_fill(x, keep, dim)
-            continue
-        keep_key = keep_keys.get(id(keep))
-        if keep_key is None:
-            keep_key = keep_keys[id(keep)] = _keep_key(keep)
-        plan = _plan(x, keep, dim, keep_key)
+        plan = None
+        if x.is_cuda:
+            keep_key = keep_keys.get(id(keep)) or keep_keys.setdefault(id(keep), _keep_key(keep))
+            plan = _plan(x, keep, dim, keep_key)
         if plan is None:
             masked_fill(x, keep, dim)
         elif plan:
@@ -115,8 +112,7 @@ def _plan(x: torch.Tensor, keep: torch.Tensor, dim: int, keep_key: tuple | None 
     repeats the same calls, and is launch-bound: the key is what a call costs on the host); () where there is
     nothing to zero; None where x's layout has no runs (masked_fill_ then)."""
     key = (x.shape, x.stride(), x.dtype, keep_key or _keep_key(keep), dim)
-    plan = _PLANS.get(key)
-    return plan if plan is not None else cached_plan(_PLANS, key, lambda: _make_plan(x, keep, dim))
+    return cached_plan(_PLANS, key, lambda: _make_plan(x, keep, dim))
 
 
 def _make_plan(x: torch.Tensor, keep: torch.Tensor, dim: int) -> tuple | None:

@@ -8,6 +8,9 @@ ms per layer, for tile configurations given on the command line.
         [--configs "64,64,4,3;32,64,4,3"]   (BLOCK_S,BLOCK_K,num_warps,num_stages; default: the kernel's choice)
         [--split-k 1000000,4096,16384]     (the default tiles with other pieces of the wider operand's features,
                                              gram_sq_norms.SPLIT_K; 1000000: no split)
+        [--layout step|contiguous]         (step: rows as wide as the step stores them, passes.aligned_contractions'
+                                             padding: GPT-2's 50257 logits in rows of 50304; contiguous: unpadded)
+        [--kernel-only]                    (no weight-gradient mm and no compiled Grams: the kernel's columns only)
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ LAYERS = [
     ("gpt2 fc 768->3072", 32, 256, 768, 3072),
     ("gpt2 proj 3072->768", 32, 256, 3072, 768),
     ("gpt2 lm_head 768->50257", 32, 256, 768, 50257),
+    ("gpt2 lm_head 768->50257 (8x1024)", 8, 1024, 768, 50257),
+    ("gpt2 lm_head 768->50257 (2x4096)", 2, 4096, 768, 50257),
     # two samples of 1024 tokens: 72 programs a layer without pieces of features (36 tile pairs a sample)
     ("llama qkv 2048->3072 (2x1024)", 2, 1024, 2048, 3072),
     ("llama o 2048->2048", 2, 1024, 2048, 2048),
@@ -73,12 +78,25 @@ def padded_grams(a, g):
     return grams(F.pad(a, (0, 0, 0, pad)), F.pad(g, (0, 0, 0, pad)))
 
 
+def operand(B: int, S: int, F: int, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """[B, S, F] random, its rows as wide as the step's (layout "step") or F wide."""
+    width = F
+    if layout == "step":
+        from dpcompile.passes import aligned_contractions as ac
+
+        align = ac.ALIGNMENT.get(dtype, ac._TF32_ALIGNMENT)
+        width = F + ac._extra(F, align, torch.empty((), dtype=dtype).element_size())
+    return torch.randn(B, S, width, device="cuda", dtype=dtype)[..., :F]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--configs", default="")
     ap.add_argument("--layers", default="", help="substring filter on the layer names")
     ap.add_argument("--split-k", default="", help="comma-separated SPLIT_K values to time beside the default")
+    ap.add_argument("--layout", default="step", choices=("step", "contiguous"))
+    ap.add_argument("--kernel-only", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     tiny = torch.randn(2, 8, 16, device="cuda", dtype=torch.bfloat16)
@@ -96,7 +114,8 @@ def main():
                         for c in args.configs.split(";") if c]
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
     split_ks = [int(v) for v in args.split_k.split(",") if v]
-    head = ["layer", "dtype", "weight grad mm", "grams (compiled)", "padded grams (compiled)"] + \
+    baselines = [] if args.kernel_only else ["weight grad mm", "grams (compiled)", "padded grams (compiled)"]
+    head = ["layer", "dtype"] + baselines + \
         ["kernel " + ("default" if c is None else ",".join(map(str, c.values()))) for c in configs] + \
         [f"kernel split_k={v}" for v in split_ks]
     print("| " + " | ".join(head) + " |")
@@ -107,11 +126,11 @@ def main():
             if args.layers and args.layers not in name:
                 continue
             torch.manual_seed(0)
-            a = torch.randn(B, S, p, device="cuda", dtype=dt[dname])
-            g = torch.randn(B, S, m, device="cuda", dtype=dt[dname])
+            a = operand(B, S, p, dt[dname], args.layout)
+            g = operand(B, S, m, dt[dname], args.layout)
             ref = torch.bmm(a.double().transpose(1, 2), g.double()).square().flatten(1).sum(1)
-            row = [gpu_ms(lambda: torch.mm(a.flatten(0, 1).t(), g.flatten(0, 1)))]
-            for fn in (grams, padded_grams):
+            row = [] if args.kernel_only else [gpu_ms(lambda: torch.mm(a.flatten(0, 1).t(), g.flatten(0, 1)))]
+            for fn in () if args.kernel_only else (grams, padded_grams):
                 torch._dynamo.reset()
                 f = torch.compile(fn)
                 got = f(a, g).double()

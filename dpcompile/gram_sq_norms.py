@@ -58,8 +58,36 @@ def _tile_count(S: int, bs: int) -> int:
     return -(-S // bs)
 
 
-def launch_config(bs: int) -> dict:
-    return {"BLOCK_S": bs, "BLOCK_K": 64, "num_warps": 8 if bs >= 128 else 4, "num_stages": 3}
+BLOCK_K = 64
+SMEM_RESERVE = 8 << 10  # shared memory left for the kernel's reductions and layout conversions (bytes)
+_SMEM: dict = {}
+
+
+def launch_config(bs: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Tiles of BLOCK_S rows by 64 features, 8 warps from 128 rows, and as many pipeline stages as the device's
+    shared memory holds, up to 4 for 16-bit operands and 3 for fp32. Timed on one H200, bf16, the LM heads' Grams
+    in the step's layout (benchmarks/gram_norm_kernel.py --configs, 2026-12-02): 4 stages against 3: GPT-2's at
+    32x256 0.284 against 0.323 ms, at 8x1024 0.754 against 0.857, Llama-3.2's at 2x1024 0.533 against 0.602;
+    128x128 tiles in 2-3 stages were slower on all but GPT-2 at 32x256, 4 warps slower everywhere."""
+    itemsize = dtype.itemsize
+    stages = 4 if itemsize <= 2 else 3
+    smem = _shared_memory(device)
+    if smem is not None:  # a stage holds a [BLOCK_S, BLOCK_K] tile of each of the dot's operands
+        stages = max(1, min(stages, (smem - SMEM_RESERVE) // (2 * bs * BLOCK_K * itemsize)))
+    return {"BLOCK_S": bs, "BLOCK_K": BLOCK_K, "num_warps": 8 if bs >= 128 else 4, "num_stages": stages}
+
+
+def _shared_memory(device: torch.device) -> int | None:
+    """The most shared memory a CUDA device lets one program have (bytes; Triton's own check of a kernel uses the
+    same number); None without a CUDA device to ask (a CPU-only run planning launches for a GPU: the caps)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM:
+        from triton.runtime import driver
+
+        _SMEM[index] = int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    return _SMEM[index]
 
 
 # Defined with torch.library's low-level API, as dpcompile::conv_weight_sq_norms is: custom_op's Python dispatch
@@ -114,7 +142,7 @@ def launch(a, g, config: dict | None = None):
     if a.shape[2] > g.shape[2]:  # the sum is symmetric in the two; the kernel splits its second operand
         a, g = g, a
     tf32 = dtype == torch.float32 and a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    key = (a.shape, a.stride(), g.shape, g.stride(), dtype, tf32, SPLIT_K,
+    key = (a.shape, a.stride(), g.shape, g.stride(), dtype, a.device, tf32, SPLIT_K,
            tuple(sorted(config.items())) if config else None)
     B, n_parts, grid, args, consts, plan_id = cached_plan(_PLANS, key, lambda: _plan(a, g, dtype, tf32, config))
     out = torch.empty(B, n_parts, dtype=torch.float32, device=a.device)
@@ -129,7 +157,7 @@ def _plan(a, g, dtype, tf32, config):
     """(B, parts, grid, the kernel's other positional arguments, its keyword ones, their kernel_plans.launch_id)
     for one call signature."""
     B, S, P = a.shape
-    cfg = {**launch_config(block(S)), **(config or {})}
+    cfg = {**launch_config(block(S), dtype, a.device), **(config or {})}
     M = g.shape[2]
     tiles = _tile_count(S, cfg["BLOCK_S"])
     n = splits(P, M)

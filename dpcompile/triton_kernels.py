@@ -78,42 +78,65 @@ def conv_weight_sq_norms_kernel(
 
 
 @triton.jit
-def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo, k_hi, K_LEN: tl.constexpr,
+def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo, LEN: tl.constexpr,
                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DIAG: tl.constexpr):
     """[BLOCK_S, BLOCK_S] fp32: rows offs_i against rows offs_j of one sample's [S, F] operand at base, over its
-    features [k_lo, k_hi), k_hi - k_lo <= K_LEN. The loop's trip count is the constexpr K_LEN (Triton 3.6's
-    interpreter cannot take a value computed from the program id as a range bound; a static count also lets the
-    compiler pipeline it); features at k_hi and beyond are masked. DIAG: offs_j is offs_i, and the rows are
-    loaded once (the two Grams of a diagonal tile read half the bytes: an LM head's Gram over 50257 logits is
-    bound by those reads)."""
+    features [k_lo, k_lo + LEN). The length is a constexpr (Triton 3.6's interpreter cannot take a value computed
+    from the program id as a range bound; a static count also lets the compiler pipeline the loop), and the whole
+    K steps load without a mask on the features: a mask against a bound that is no multiple of 16 (GPT-2's 50257
+    logits) makes every load scalar, which held an LM head's Gram to about a fifth of what the same kernel ran at
+    on Llama's 128256. The rest of the features, if any, is one masked step after the loop. DIAG: offs_j is
+    offs_i, and the rows are loaded once (the two Grams of a diagonal tile read half the bytes: an LM head's Gram
+    is bound by those reads)."""
     acc = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
-    for kk in range(0, K_LEN, BLOCK_K):
-        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = tl.load(base + offs_i[:, None] * s_s + offs_k[None, :] * s_f,
-                    mask=mask_i[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
-        if DIAG:
-            y = tl.trans(x)
-        else:
-            y = tl.load(base + offs_j[None, :] * s_s + offs_k[:, None] * s_f,
-                        mask=mask_k[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_K, BLOCK_S]
-        acc = tl.dot(x, y, acc, input_precision=PRECISION)
+    for kk in range(0, LEN // BLOCK_K * BLOCK_K, BLOCK_K):
+        acc = _gram_step(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo + kk, BLOCK_K, acc, BLOCK_K,
+                         PRECISION, DIAG)
+    if LEN % BLOCK_K:
+        acc = _gram_step(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo + LEN // BLOCK_K * BLOCK_K,
+                         LEN % BLOCK_K, acc, BLOCK_K, PRECISION, DIAG)
     return acc
+
+
+@triton.jit
+def _gram_step(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k0, VALID: tl.constexpr, acc,
+               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DIAG: tl.constexpr):
+    """acc plus one K step: features [k0, k0 + VALID) of the BLOCK_K loaded (all of them: no mask on them)."""
+    lane = tl.arange(0, BLOCK_K)
+    offs_k = k0 + lane
+    if VALID == BLOCK_K:
+        mask_x = mask_i[:, None]
+        mask_y = mask_j[None, :]
+    else:
+        mask_x = mask_i[:, None] & (lane < VALID)[None, :]
+        mask_y = (lane < VALID)[:, None] & mask_j[None, :]
+    x = tl.load(base + offs_i[:, None] * s_s + offs_k[None, :] * s_f, mask=mask_x, other=0.0)  # [BLOCK_S, BLOCK_K]
+    if DIAG:
+        y = tl.trans(x)
+    else:
+        y = tl.load(base + offs_j[None, :] * s_s + offs_k[:, None] * s_f, mask=mask_y, other=0.0)  # [BLOCK_K, BLOCK_S]
+    return tl.dot(x, y, acc, input_precision=PRECISION)
 
 
 @triton.jit
 def _gram_pair_sum(a_base, sa_s, sa_f, g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, s,
                    P: tl.constexpr, M: tl.constexpr, SPLITS: tl.constexpr, KS: tl.constexpr,
                    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DIAG: tl.constexpr):
-    """The sum of the product of A's Gram tile (all P features) and G's (piece s of M's, KS each)."""
-    ga = _gram_tile(a_base, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, 0, P, P, BLOCK_S, BLOCK_K, PRECISION, DIAG)
+    """The sum of the product of A's Gram tile (all P features) and G's (piece s of M's, KS each: the first
+    M // KS pieces whole, the next one the rest of M, any after it empty)."""
+    ga = _gram_tile(a_base, sa_s, sa_f, offs_i, offs_j, mask_i, mask_j, 0, P, BLOCK_S, BLOCK_K, PRECISION, DIAG)
     if SPLITS == 1:
-        gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, M, BLOCK_S, BLOCK_K, PRECISION,
-                        DIAG)
+        gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, BLOCK_S, BLOCK_K, PRECISION, DIAG)
     else:
-        k_lo = s * KS
-        gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, k_lo, tl.minimum(k_lo + KS, M), KS,
-                        BLOCK_S, BLOCK_K, PRECISION, DIAG)
+        if s < M // KS:
+            gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, s * KS, KS, BLOCK_S, BLOCK_K,
+                            PRECISION, DIAG)
+        else:
+            gg = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
+            if M % KS:
+                if s == M // KS:
+                    gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, M // KS * KS, M % KS,
+                                    BLOCK_S, BLOCK_K, PRECISION, DIAG)
     return tl.sum(tl.sum(ga * gg, axis=1), axis=0)
 
 

@@ -46,6 +46,19 @@ def test_tiles_and_parts(p, m, pieces):
     assert fake_out.shape == out.shape
 
 
+@pytest.mark.parametrize("smem,bf16_stages,fp32_stages", [(None, 4, 3), (232448, 4, 3), (166912, 4, 2),
+                                                          (101376, 2, 1)])
+def test_pipeline_stages_fit_the_devices_shared_memory(monkeypatch, smem, bf16_stages, fp32_stages):
+    # H100/H200 (227 KiB a program), A100 (163), a consumer GPU (99): a stage holds a 128x64 tile of each
+    # operand, so bf16 128-row tiles need 32 KiB a stage and fp32 64; without a device to ask, the caps
+    assert gram_sq_norms._shared_memory(torch.device("cpu")) is None
+    monkeypatch.setattr(gram_sq_norms, "_shared_memory", lambda device: smem)
+    cuda = torch.device("cuda", 0)
+    assert gram_sq_norms.launch_config(128, torch.bfloat16, cuda)["num_stages"] == bf16_stages
+    assert gram_sq_norms.launch_config(128, torch.float32, cuda)["num_stages"] == fp32_stages
+    assert gram_sq_norms.launch_config(64, torch.float32, cuda)["num_stages"] == min(3, 2 * fp32_stages)
+
+
 class SeqAndPatches(torch.nn.Module):
     """A patch embedding (strided conv, ghost form over its unfolded patches), Linear layers over the tokens
     (ghost form: tokens^2 (p + m) < tokens p m), one of them grouped conv over tokens (ghost per group)."""

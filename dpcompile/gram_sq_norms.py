@@ -41,7 +41,8 @@ def block(S: int) -> int:
 # GPT-2-small's, Llama-1B's or a ViT's blocks is split). Static in the shapes, not the batch, so that the fake
 # kernel's parts are the launch's. Timed on one H100, bf16 (benchmarks/gram_norm_kernel.py --split-k, 2026-11-28):
 # GPT-2's head at 32x256 2.01 ms unsplit, 1.72 in pieces of 8192, 1.48 of 16384; Llama's at 2x1024 0.84, 0.91,
-# 0.77 (each piece recomputes A's Gram over all of A's features: more pieces cost more).
+# 0.77 (each piece recomputes A's Gram over all of A's features: more pieces cost more). Those times are of the
+# kernel before its loads were unmasked (2026-12-02: GPT-2's head 4x faster), on unpadded rows: to time again.
 SPLIT_K = 16384
 
 

@@ -216,9 +216,9 @@ def torch_step(spec: dict, model, x, y, device):
         if spec.get("unbacked") and not spec["shard"]:
             # compiled as a sharded step is: one graph for every batch size (the size unbacked, tuned for B)
             dpcompile.mark_batch(x, y, hint=spec["B"])
-        fn = dpcompile.private_step(train_step, max_grad_norm=1.0, noise_multiplier=1.0,
-                                    expected_batch_size=spec["B"] * world, schedule=how,
-                                    cudagraphs=spec["mode"] in CUDA_GRAPHS)
+        fn = dpcompile.private_step(train_step, **{
+            "max_grad_norm": 1.0, "noise_multiplier": 1.0, "expected_batch_size": spec["B"] * world,
+            "schedule": how, "cudagraphs": spec["mode"] in CUDA_GRAPHS, **(spec.get("dp_options") or {})})
     elif how == "compiled":
         fn = torch.compile(train_step, mode="reduce-overhead" if spec["mode"] in CUDA_GRAPHS else None)
     else:
@@ -559,6 +559,8 @@ def worker(spec: dict) -> int:
         setattr(*inductor_setting(key), value)
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "ranks": int(os.environ.get("WORLD_SIZE", 1))}
+    if spec.get("dp_options") and MODES[spec["mode"]][0] == "dpcompile":
+        result["dp_options"] = spec["dp_options"]
     try:
         result.update(library_info(spec))  # first: a failing mode's row also says which opacus it ran
         if spec.get("bucket_mb") and compiled_mode(spec["mode"]):  # else fully_shard's default (sharded)
@@ -613,6 +615,27 @@ def inductor_setting(key: str) -> tuple[object, str]:
     for part in path:
         obj = getattr(obj, part, None)
     return obj, name
+
+
+def parse_dp_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE of --dp-option: KEY a field of dpcompile.DPConfig that the benchmark does not set itself, VALUE a
+    Python literal (a bare word is taken as a string: linear_norm=ghost)."""
+    import ast
+    import dataclasses
+
+    sys.path.insert(0, ROOT)
+    from dpcompile.config import DPConfig
+
+    key, eq, value = text.partition("=")
+    fields = {f.name for f in dataclasses.fields(DPConfig)}
+    own = {"max_grad_norm", "noise_multiplier", "expected_batch_size", "schedule", "cudagraphs"}
+    if not eq or key not in fields or key in own:
+        raise ValueError(f"--dp-option {text!r}: expected KEY=VALUE with KEY one of "
+                         f"{sorted(fields - own)} (the benchmark sets {sorted(own)} itself)")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def parse_setting(text: str) -> tuple[str, object]:
@@ -1044,7 +1067,7 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
     SIGINT or SIGHUP stopped the run, its number (the mode then running ends as a row with status 'stopped')."""
     specs = [dict(model=m, B=b, T=t, dtype=dt, mode=mode, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
-                  llama_tied=args.llama_tied, inductor_config=args.inductor_config,
+                  llama_tied=args.llama_tied, inductor_config=args.inductor_config, dp_options=args.dp_options,
                   bucket_mb=args.bucket_mb, overlap=args.overlap, unbacked=args.unbacked,
                   memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None,
                   kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None,
@@ -1130,6 +1153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-profile", default=None, metavar="DIR",
                     help="5 more steps under cProfile (GPU synchronised after each): the host's time by function, "
                          "as text in DIR")
+    ap.add_argument("--dp-option", action="append", default=[], metavar="KEY=VALUE", dest="dp_options",
+                    help="a dpcompile option for the dp modes (a DPConfig field, e.g. linear_norm=ghost), VALUE a "
+                         "Python literal; repeatable. The rows record them")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config.KEY (a Python literal) in every child before it compiles, for "
                          "A/B runs of an Inductor setting; recorded in each row (repeatable)")
@@ -1164,6 +1190,7 @@ def main(argv=None) -> int:
             ap.error(f"unknown mode or dtype {bad!r}")
         try:
             args.inductor_config = dict(parse_setting(kv) for kv in args.inductor_config)
+            args.dp_options = dict(parse_dp_option(kv) for kv in args.dp_options)
         except ValueError as exc:
             ap.error(str(exc))
         args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3)

@@ -72,3 +72,24 @@ def test_rounds_pool_into_one_row_per_mode():
     assert by_mode["ghost"]["status"] == "oom" and "round_ms" not in by_mode["ghost"]
     single = anchors.finish([row("nonprivate", 18.0), row("bk", 21.0)])
     assert all("round_ms" not in r for r in single)
+
+
+def test_dp_options_reach_the_dp_step_and_are_checked():
+    """--dp-option KEY=VALUE: a DPConfig field for the dp modes (a bare word is a string), refused where the
+    benchmark sets the field itself or no such field exists; the step is built with it."""
+    import pytest
+
+    assert anchors.parse_dp_option("linear_norm=ghost") == ("linear_norm", "ghost")
+    assert anchors.parse_dp_option("memory_budget=1024") == ("memory_budget", 1024)
+    for bad in ("schedule=ghost", "no_such_option=1", "linear_norm"):
+        with pytest.raises(ValueError, match="--dp-option"):
+            anchors.parse_dp_option(bad)
+    import torch
+
+    spec = dict(model="gpt", B=2, T=8, dtype="fp32", mode="bk", tiny=True, shard=False, llama_tied=False,
+                dp_options={"linear_norm": "direct", "memory_budget": 1024})
+    model = anchors.build_model(spec)
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    step, _ = anchors.torch_step(spec, model, x, y, torch.device("cpu"))
+    config = step.compiled.dp_backend.config
+    assert config.linear_norm == "direct" and config.memory_budget == 1024 and config.schedule == "bk"

@@ -11,6 +11,9 @@ ms per layer, for tile configurations given on the command line.
         [--layout step|contiguous]         (step: rows as wide as the step stores them, passes.aligned_contractions'
                                              padding: GPT-2's 50257 logits in rows of 50304; contiguous: unpadded)
         [--kernel-only]                    (no weight-gradient mm and no compiled Grams: the kernel's columns only)
+        [--direct]                         (also the direct form ||A_i^T G_i||^2 as the graph builds it where
+                                             linear_norm's cost model picks it: per-sample gradients in fp32, in
+                                             blocks of NORM_BLOCK_BYTES at the batch, squared and summed; compiled)
 """
 from __future__ import annotations
 
@@ -37,6 +40,10 @@ LAYERS = [
     ("gpt2 fc 768->3072", 32, 256, 768, 3072),
     ("gpt2 proj 3072->768", 32, 256, 3072, 768),
     ("gpt2 lm_head 768->50257", 32, 256, 768, 50257),
+    ("gpt2 qkv 768->2304 (8x1024)", 8, 1024, 768, 2304),
+    ("gpt2 proj 768->768 (8x1024)", 8, 1024, 768, 768),
+    ("gpt2 fc 768->3072 (8x1024)", 8, 1024, 768, 3072),
+    ("gpt2 proj 3072->768 (8x1024)", 8, 1024, 3072, 768),
     ("gpt2 lm_head 768->50257 (8x1024)", 8, 1024, 768, 50257),
     ("gpt2 lm_head 768->50257 (2x4096)", 2, 4096, 768, 50257),
     # two samples of 1024 tokens: 72 programs a layer without pieces of features (36 tile pairs a sample)
@@ -73,6 +80,26 @@ def grams(a, g):
     return (ga * gg).flatten(1).sum(1)
 
 
+def direct(a, g):
+    """The direct form as passes/per_sample_norms builds it: [B, p, m] per-sample gradients (fp32 out) in blocks of
+    the wider feature dim of at most NORM_BLOCK_BYTES at this batch, each squared and summed per sample."""
+    from dpcompile.passes.per_sample_norms import NORM_BLOCK_BYTES, _spans
+
+    B, _, p = a.shape
+    m = g.shape[2]
+    k = max(1, min(max(p, m), -(-(p * m * 4 * B) // NORM_BLOCK_BYTES)))
+    total = None
+    for lo, hi in _spans(max(p, m), k):
+        ab, gb = (a[..., lo:hi], g) if p >= m else (a, g[..., lo:hi])
+        if a.dtype in (torch.bfloat16, torch.float16):
+            prod = torch.ops.aten.bmm.dtype(ab.transpose(1, 2), gb, torch.float32)
+        else:
+            prod = torch.bmm(ab.transpose(1, 2), gb)
+        part = prod.square().sum((1, 2))
+        total = part if total is None else total + part
+    return total
+
+
 def padded_grams(a, g):
     pad = -a.shape[1] % 8
     return grams(F.pad(a, (0, 0, 0, pad)), F.pad(g, (0, 0, 0, pad)))
@@ -97,6 +124,7 @@ def main():
     ap.add_argument("--split-k", default="", help="comma-separated SPLIT_K values to time beside the default")
     ap.add_argument("--layout", default="step", choices=("step", "contiguous"))
     ap.add_argument("--kernel-only", action="store_true")
+    ap.add_argument("--direct", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     tiny = torch.randn(2, 8, 16, device="cuda", dtype=torch.bfloat16)
@@ -115,6 +143,7 @@ def main():
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
     split_ks = [int(v) for v in args.split_k.split(",") if v]
     baselines = [] if args.kernel_only else ["weight grad mm", "grams (compiled)", "padded grams (compiled)"]
+    baselines += ["direct norm (compiled)"] if args.direct else []
     head = ["layer", "dtype"] + baselines + \
         ["kernel " + ("default" if c is None else ",".join(map(str, c.values()))) for c in configs] + \
         [f"kernel split_k={v}" for v in split_ks]
@@ -130,7 +159,7 @@ def main():
             g = operand(B, S, m, dt[dname], args.layout)
             ref = torch.bmm(a.double().transpose(1, 2), g.double()).square().flatten(1).sum(1)
             row = [] if args.kernel_only else [gpu_ms(lambda: torch.mm(a.flatten(0, 1).t(), g.flatten(0, 1)))]
-            for fn in () if args.kernel_only else (grams, padded_grams):
+            for fn in (() if args.kernel_only else (grams, padded_grams)) + ((direct,) if args.direct else ()):
                 torch._dynamo.reset()
                 f = torch.compile(fn)
                 got = f(a, g).double()

@@ -101,7 +101,8 @@ def _gram_tile(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k_lo, LEN: tl.con
 @triton.jit
 def _gram_step(base, s_s, s_f, offs_i, offs_j, mask_i, mask_j, k0, VALID: tl.constexpr, acc,
                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DIAG: tl.constexpr):
-    """acc plus one K step: features [k0, k0 + VALID) of the BLOCK_K loaded (all of them: no mask on them)."""
+    """acc plus one K step over features [k0, k0 + VALID): a whole step (VALID == BLOCK_K) masks rows only, so its
+    loads vectorise; a last partial step masks the features past VALID too."""
     lane = tl.arange(0, BLOCK_K)
     offs_k = k0 + lane
     if VALID == BLOCK_K:

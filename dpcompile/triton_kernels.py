@@ -129,15 +129,14 @@ def _gram_pair_sum(a_base, sa_s, sa_f, g_base, sg_s, sg_f, offs_i, offs_j, mask_
     if SPLITS == 1:
         gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, 0, M, BLOCK_S, BLOCK_K, PRECISION, DIAG)
     else:
+        gg = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)  # a piece past M stays empty
         if s < M // KS:
             gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, s * KS, KS, BLOCK_S, BLOCK_K,
                             PRECISION, DIAG)
-        else:
-            gg = tl.zeros([BLOCK_S, BLOCK_S], dtype=tl.float32)
-            if M % KS:
-                if s == M // KS:
-                    gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, M // KS * KS, M % KS,
-                                    BLOCK_S, BLOCK_K, PRECISION, DIAG)
+        if M % KS:  # (a constexpr: the rest of M, where there is one, is piece M // KS)
+            if s == M // KS:
+                gg = _gram_tile(g_base, sg_s, sg_f, offs_i, offs_j, mask_i, mask_j, M // KS * KS, M % KS,
+                                BLOCK_S, BLOCK_K, PRECISION, DIAG)
     return tl.sum(tl.sum(ga * gg, axis=1), axis=0)
 
 

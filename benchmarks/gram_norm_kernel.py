@@ -72,12 +72,15 @@ def host_us(a, g, n=2000) -> float:
 
 def grams(a, g):
     """The replaced form: [B, S, S] fp32 Grams (fp32 accumulation of the operands' dtype), product, sum."""
-    if a.dtype in (torch.bfloat16, torch.float16):
-        ga = torch.ops.aten.bmm.dtype(a, a.transpose(1, 2), torch.float32)
-        gg = torch.ops.aten.bmm.dtype(g, g.transpose(1, 2), torch.float32)
-    else:
-        ga, gg = torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2))
+    ga, gg = bmm_f32(a, a.transpose(1, 2)), bmm_f32(g, g.transpose(1, 2))
     return (ga * gg).flatten(1).sum(1)
+
+
+def bmm_f32(x, y):
+    """x @ y with fp32 accumulation and output: 16-bit operands through aten.bmm.dtype, as the graph has them."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return torch.ops.aten.bmm.dtype(x, y, torch.float32)
+    return torch.bmm(x, y)
 
 
 def direct(a, g):
@@ -91,11 +94,7 @@ def direct(a, g):
     total = None
     for lo, hi in _spans(max(p, m), k):
         ab, gb = (a[..., lo:hi], g) if p >= m else (a, g[..., lo:hi])
-        if a.dtype in (torch.bfloat16, torch.float16):
-            prod = torch.ops.aten.bmm.dtype(ab.transpose(1, 2), gb, torch.float32)
-        else:
-            prod = torch.bmm(ab.transpose(1, 2), gb)
-        part = prod.square().sum((1, 2))
+        part = bmm_f32(ab.transpose(1, 2), gb).square().sum((1, 2))
         total = part if total is None else total + part
     return total
 
@@ -111,8 +110,7 @@ def operand(B: int, S: int, F: int, dtype: torch.dtype, layout: str) -> torch.Te
     if layout == "step":
         from dpcompile.passes import aligned_contractions as ac
 
-        align = ac.ALIGNMENT.get(dtype, ac._TF32_ALIGNMENT)
-        width = F + ac._extra(F, align, torch.empty((), dtype=dtype).element_size())
+        width = F + ac._extra(F, ac._alignment(dtype), dtype.itemsize)  # main() turned TF32 on, as the step has it
     return torch.randn(B, S, width, device="cuda", dtype=dtype)[..., :F]
 
 

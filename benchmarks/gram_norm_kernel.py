@@ -45,6 +45,10 @@ LAYERS = [
     ("gpt2 fc 768->3072 (8x1024)", 8, 1024, 768, 3072),
     ("gpt2 proj 3072->768 (8x1024)", 8, 1024, 3072, 768),
     ("gpt2 lm_head 768->50257 (8x1024)", 8, 1024, 768, 50257),
+    ("gpt2 qkv 768->2304 (2x4096)", 2, 4096, 768, 2304),
+    ("gpt2 proj 768->768 (2x4096)", 2, 4096, 768, 768),
+    ("gpt2 fc 768->3072 (2x4096)", 2, 4096, 768, 3072),
+    ("gpt2 proj 3072->768 (2x4096)", 2, 4096, 3072, 768),
     ("gpt2 lm_head 768->50257 (2x4096)", 2, 4096, 768, 50257),
     # two samples of 1024 tokens: 72 programs a layer without pieces of features (36 tile pairs a sample)
     ("llama qkv 2048->3072 (2x1024)", 2, 1024, 2048, 3072),
@@ -52,6 +56,11 @@ LAYERS = [
     ("llama gate 2048->8192", 2, 1024, 2048, 8192),
     ("llama down 8192->2048", 2, 1024, 8192, 2048),
     ("llama lm_head 2048->128256", 2, 1024, 2048, 128256),
+    ("llama qkv 2048->3072 (2x2048)", 2, 2048, 2048, 3072),
+    ("llama o 2048->2048 (2x2048)", 2, 2048, 2048, 2048),
+    ("llama gate 2048->8192 (2x2048)", 2, 2048, 2048, 8192),
+    ("llama down 8192->2048 (2x2048)", 2, 2048, 8192, 2048),
+    ("llama lm_head 2048->128256 (2x2048)", 2, 2048, 2048, 128256),
 ]
 
 
@@ -118,7 +127,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--configs", default="")
-    ap.add_argument("--layers", default="", help="substring filter on the layer names")
+    ap.add_argument("--layers", default="", help="substring filters on the layer names, separated by '|'")
     ap.add_argument("--split-k", default="", help="comma-separated SPLIT_K values to time beside the default")
     ap.add_argument("--layout", default="step", choices=("step", "contiguous"))
     ap.add_argument("--kernel-only", action="store_true")
@@ -150,7 +159,7 @@ def main():
     sums = {}
     for dname in args.dtypes.split(","):
         for name, B, S, p, m in LAYERS:
-            if args.layers and args.layers not in name:
+            if args.layers and not any(f in name for f in args.layers.split("|")):
                 continue
             torch.manual_seed(0)
             a = operand(B, S, p, dt[dname], args.layout)

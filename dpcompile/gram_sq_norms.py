@@ -59,6 +59,15 @@ def _tile_count(S: int, bs: int) -> int:
     return -(-S // bs)
 
 
+def work(S: int, p: int, m: int) -> int:
+    """Multiply-adds per sample of the kernel (linear_norm's cost model): only the tile pairs on and above the
+    diagonal are computed (t (t + 1) / 2 of t^2, t tiles of block(S) rows, the last padded), and every piece of
+    the wider operand recomputes the narrower one's Gram. GPT-2's 1024 rows: 36 of 64 pairs."""
+    bs = block(S)
+    t = _tile_count(S, bs)
+    return bs * bs * t * (t + 1) // 2 * (min(p, m) * splits(p, m) + max(p, m))
+
+
 BLOCK_K = 64
 SMEM_RESERVE = 8 << 10  # shared memory left for the kernel's reductions and layout conversions (bytes)
 _SMEM: dict = {}

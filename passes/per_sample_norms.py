@@ -5,11 +5,13 @@ in fp32 (contractions of bf16/fp16 operands accumulate in fp32 on CUDA, see
 bmm_f32), right after the contribution in graph order (so the operands can die
 early). Contractions ``A [p, N] @ G [N, m]`` with S rows per sample use the
 rank-one form (S == 1), the ghost form <A A^T, G G^T> (cost ~ S^2 (p+m)) or
-the direct form ||A_i G_i||^2 (cost ~ S p m), picked per layer from the static
-shapes. Reductions materialise the per-sample [B, numel] gradient; embedding
-backwards use token equality. A gradient made of several contributions (tied
-weights) or reached through a reshaping chain is materialised per sample and
-its chain replayed with a leading sample dim, so its norm is exact.
+the direct form ||A_i G_i||^2 (cost ~ S p m plus its [p, m] gradient's memory
+traffic), picked per layer from the static shapes (mm_costs). Reductions materialise the per-sample [B, numel] gradient; embedding
+backwards use token equality. A gradient made of several matmul and embedding
+contributions (tied weights) takes their norms and per-sample inner products
+(shared_norms); one made otherwise or reached through a reshaping chain is
+materialised per sample and its chain replayed with a leading sample dim, so
+its norm is exact.
 
 Then c_i = min(1, C / (||g_i|| + eps)) and the row scale r_i = c_i * M * k
 (M, k from the loss reduction) are computed once all norms exist.
@@ -26,13 +28,14 @@ import torch
 import torch.fx as fx
 
 from dpcompile import conv_sq_norms
-from dpcompile import gram_sq_norms as _gram_op  # noqa: F401  (defines dpcompile::gram_sq_norms)
+from dpcompile import gram_sq_norms as _gram_op  # defines dpcompile::gram_sq_norms
 from dpcompile.fx_utils import GraphBuilder, known
 
 from . import conv_norms
-from .sample_factors import bmm_f32, sample_major, transpose12 as _transpose12
+from .sample_factors import add_all as _add_all, bmm_f32, sample_major, spans as _spans, transpose12 as _transpose12
 from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
+from .shared_norms import outer_terms, shared_sq
 from .param_grads import MATRIX_PRODUCTS, NORM_PRESERVING, SCATTER_ADD, SUMS_AND_BROADCASTS, ParamGrad
 from .tensor_parallel import is_tp_collective
 
@@ -98,18 +101,24 @@ def gram_kernel_takes(S: Any) -> bool:
     return GRAM_KERNEL and isinstance(S, int)
 
 
-def _spans(n: int, k: int) -> list[tuple[int, int]]:
-    """k contiguous [lo, hi) spans covering range(n), sizes differing by at most one."""
-    if k == 1:
-        return [(0, n)]
-    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+# linear_norm's cost model counts memory traffic in multiply-adds: moving a byte to or from GPU memory takes about
+# as long as this many multiply-adds of a matmul (an H100/H200: ~300 T bf16 multiply-adds/s reached over ~4 TB/s).
+# Counting flops only, GPT-2-small's layers at 8x1024 took the direct form, which writes and reads each sample's
+# [p, m] fp32 gradient: the Gram kernel was 1.3-6x faster on every one of them (H200, bf16 and fp32,
+# benchmarks/gram_norm_kernel.py --direct: the LM head 0.82 ms against 5.08), and the step's GPU time fell from
+# 24.3 to 22.7 ms. At 2x4096 the direct form stays (the kernel 1.4-2.7x slower on all but a 768x768 layer).
+MACS_PER_BYTE = 64
 
 
-def _add_all(b: GraphBuilder, parts: list[fx.Node]) -> fx.Node:
-    total = parts[0]
-    for part in parts[1:]:
-        total = b.call(aten.add.Tensor, total, part)
-    return total
+def mm_costs(S: Any, p: Any, m: Any) -> tuple[Any, Any]:
+    """(ghost, direct) cost per sample, in multiply-adds, of an [S, p] x [S, m] contraction's squared norm.
+    Direct: the [p, m] product and its fp32 gradient written and read (8 bytes an entry). Ghost: in the
+    Gram kernel, its tile pairs (gram_sq_norms.work: no Gram matrix leaves the chip); in the graph, two
+    [S, S] Grams and their fp32 matrices written and read. Symbolic in, symbolic out (the graph form's)."""
+    direct = S * p * m + MACS_PER_BYTE * 8 * p * m
+    if gram_kernel_takes(S) and isinstance(p, int) and isinstance(m, int):
+        return _gram_op.work(S, p, m), direct
+    return S * S * (p + m) + MACS_PER_BYTE * 16 * S * S, direct
 
 
 class NormBuilder:
@@ -150,8 +159,7 @@ class NormBuilder:
         if known(S == 1):
             return "rank_one", "one row per sample: ||a||^2 ||g||^2"
         choice = self.ctx.options.linear_norm
-        ghost = S * S * (p + m)
-        direct = S * p * m
+        ghost, direct = mm_costs(S, p, m)
         try:
             ghost_i, direct_i = int(ghost), int(direct)
         except TypeError:
@@ -159,8 +167,9 @@ class NormBuilder:
         if choice == "auto":
             if ghost_i is None:
                 return "direct", "symbolic shapes: direct form"
-            choice = "ghost" if ghost_i < direct_i else "direct"
-            why = f"S={S}, p={p}, m={m}: ghost ~S^2(p+m)={ghost_i:.3g} vs direct ~Spm={direct_i:.3g} per sample"
+            choice = "ghost" if ghost_i <= direct_i else "direct"  # a tie: the form that writes no [p, m] gradient
+            why = (f"S={S}, p={p}, m={m}: ghost {ghost_i:.3g} vs direct {direct_i:.3g} multiply-adds per sample, "
+                   f"memory traffic counted")
         else:
             why = f"forced by linear_norm={choice!r}"
         return choice, why
@@ -764,6 +773,17 @@ def per_sample_norms_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphMod
             entry["norm"] = algo
             entry["why"] = why
             ctx.counters[f"norm_{c.kind}_{algo}"] += 1
+        elif not partial and (outer := outer_terms(pg, ctx.tangent_dependent)) is not None:
+            # matmul and embedding contributions summed (a tied embedding and LM head): their own norms
+            # and their inner products, no per-sample gradient
+            with graph.inserting_after(anchor):
+                b.meta_source = anchor
+                sq, why = shared_sq(nb, outer)
+            kinds = "+".join(c.kind for c, _, _ in outer)
+            entry["decomposition"] = f"{len(outer)} contributions ({kinds}) summed"
+            entry["norm"] = "shared_ghost"
+            entry["why"] = why
+            ctx.counters["norm_shared_ghost"] += 1
         else:
             # the per-sample gradient [B, *shape], materialized; a tensor-parallel partial one is this rank's
             # part of each sample's gradient, summed over the group (in the norm all-reduce) before its norm

@@ -100,3 +100,17 @@ def bmm_f32(b: GraphBuilder, x: fx.Node, y: fx.Node) -> fx.Node:
             and "dtype" in aten.bmm.overloads()):
         return b.call(aten.bmm.dtype, x, y, torch.float32)
     return b.call(aten.bmm.default, b.f32(x), b.f32(y))
+
+
+def spans(n: int, k: int) -> list[tuple[int, int]]:
+    """k contiguous [lo, hi) spans covering range(n), sizes differing by at most one."""
+    if k == 1:
+        return [(0, n)]
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def add_all(b: GraphBuilder, parts: list[fx.Node]) -> fx.Node:
+    total = parts[0]
+    for part in parts[1:]:
+        total = b.call(aten.add.Tensor, total, part)
+    return total

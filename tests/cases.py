@@ -164,6 +164,7 @@ LAYER_CASES = {
 # whole models, loss forms and reductions (one block each where one shows the point: compile time)
 MODEL_CASES = {
     "gpt_tied": Case(lambda: M.GPT(n_layer=1, tied=True), _tokens(13), M.seq_ce),
+    "shared_weights": Case(lambda: M.SharedWeights(), _tokens(13), M.seq_ce),
     "gpt_frozen": Case(_frozen_gpt, _tokens(13), M.seq_ce),
     "gpt_lora": Case(lambda: M.LoRAGPT(n_layer=1), _tokens(13), M.seq_ce),
     "gpt_kdim_ce": Case(lambda: M.GPT(n_layer=1), _tokens(13), kdim_ce),
@@ -351,6 +352,11 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("norm_index_put_embedding_ghost", 0) >= 3, counters
     if name in ("gpt_tied", "hf_gpt2"):
         assert counters["params_shared"] == 1  # the norm of the per-sample sum of both uses, not two norms
+    if name in ("gpt_tied", "hf_gpt2", "shared_weights"):
+        # ... from each use's own norm and their per-sample inner products: no [B, V, d] gradient materialised
+        assert counters.get("norm_shared_ghost", 0) == (2 if name == "shared_weights" else 1), counters
+    if name == "shared_weights":
+        assert "norm_materialized_chain" not in counters, counters
     if name in ("gpt_frozen", "gpt_lora"):
         assert "wpe.weight" in summary["frozen"], summary["frozen"]  # no gradient, no noise
     if name == "gpt_lora":

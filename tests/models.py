@@ -574,6 +574,27 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class SharedWeights(nn.Module):
+    """Weights used several times, in both orientations: an embedding looked up twice and tied to the LM head,
+    which is also applied transposed (logits back to the model width, through an einsum too), and a square
+    weight applied as F.linear and, transposed, through an einsum. Their per-sample norms are the norms of
+    the sums of every use's gradient."""
+
+    def __init__(self, vocab=13, d=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mix = nn.Parameter(torch.randn(d, d) * 0.4)
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, ids):
+        w = self.wte.weight
+        x = self.wte(ids) + 0.5 * self.wte(ids.flip(1))
+        x = torch.tanh(F.linear(x, self.mix) + torch.einsum("bsd,ed->bse", x, self.mix))
+        h = self.ln(x) @ w.t()
+        back = torch.tanh(h) @ w + torch.einsum("bsv,vd->bsd", torch.sigmoid(h), w)
+        return h + 0.5 * F.linear(back, w)
+
+
 class LoRALinear(nn.Module):
     """A frozen Linear plus a trainable low-rank update: W x + (alpha / r) B A x."""
 

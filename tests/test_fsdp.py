@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="ne
 # Variants of a model that runs sharded with both schedules (a frozen part, LoRA, tied weights, the K-dim
 # cross entropy, a summed loss): one schedule each, alternating, for CI time. Single-process, every case runs
 # both (test_per_sample_clipping).
-SHARDED_VARIANTS = ("gpt_frozen", "gpt_kdim_ce", "gpt_lora", "gpt_tied", "llama_sum")
+SHARDED_VARIANTS = ("gpt_frozen", "gpt_kdim_ce", "gpt_lora", "gpt_tied", "llama_sum", "shared_weights")
 
 
 def _sharded_runs():

@@ -228,7 +228,7 @@ def test_every_layer_kind_through_inductor_with_an_unbacked_batch(part):
                                                                 ("ghost", "ghost", 256, 16, 4)])
 def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d, at_least, monkeypatch):
     """Per-sample tensors of 2**16 elements or more are summed in two stages (Inductor cannot split a sum to
-    an unbacked [B]): direct weight gradients of the 4d x d MLP and the tied [V, d] embedding/LM head, or the
+    an unbacked [B]): direct weight gradients (the 4d x d MLP's among them), or the
     T x T Gram matrices of the ghost norms of every Linear and the position embedding (their graph form: the
     form symbolic rows per sample take; static ones run dpcompile::gram_sq_norms). Unbacked batch, exact."""
     from dpcompile.passes import per_sample_norms

@@ -105,3 +105,32 @@ def test_kernel_off_keeps_the_graph_form(monkeypatch):
                                       schedule="bk", linear_norm="ghost", conv_norm="ghost", compiler="eager")
     (rec,) = [r for r in backend.compiled if r.dp]
     assert rec.counters.get("gram_norm_kernels", 0) == 0 and rec.counters["norm_mm_ghost"] == 2, rec.counters
+
+
+# (S, p, m, the faster form on one H200 in bf16 and fp32: BENCHMARKS.md "forty-fifth", gram_norm_kernel.py --direct)
+MEASURED_FASTER = [
+    (1024, 768, 2304, "ghost"), (1024, 768, 768, "ghost"), (1024, 768, 3072, "ghost"), (1024, 3072, 768, "ghost"),
+    (1024, 768, 50257, "ghost"),  # GPT-2 at 8x1024: 0.82 ms in the kernel against 5.08 direct (its head)
+    (4096, 768, 2304, "direct"), (4096, 768, 3072, "direct"), (4096, 3072, 768, "direct"),
+    (4096, 768, 50257, "direct"),  # GPT-2 at 2x4096
+    (2048, 2048, 3072, "ghost"), (2048, 2048, 2048, "ghost"), (2048, 2048, 8192, "ghost"),
+    (2048, 8192, 2048, "ghost"), (2048, 2048, 128256, "ghost"),  # Llama-3.2-1B at 2x2048
+]
+
+
+@pytest.mark.parametrize("S,p,m,faster", MEASURED_FASTER)
+def test_cost_model_takes_the_form_measured_faster(S, p, m, faster):
+    """linear_norm="auto" (per_sample_norms.mm_costs): the direct form's fp32 [p, m] gradient per sample counts,
+    and the kernel's tile pairs on and above the diagonal only. Flops alone took the direct form at 8x1024."""
+    from dpcompile.passes.per_sample_norms import mm_costs
+
+    ghost, direct = mm_costs(S, p, m)
+    assert ("ghost" if ghost <= direct else "direct") == faster, (ghost, direct)
+
+
+def test_kernel_work_counts_the_tile_pairs_it_computes():
+    # 1024 rows: 8 tiles of 128, 36 pairs on and above the diagonal; 50257 logits in 4 pieces, each of which
+    # recomputes the 768-wide operand's Gram
+    assert gram_sq_norms.work(1024, 768, 50257) == 128 * 128 * 36 * (768 * 4 + 50257)
+    assert gram_sq_norms.work(200, 64, 64) == 128 * 128 * 3 * 128  # the last tile padded to 128 rows
+    assert gram_sq_norms.work(8, 16, 16) == 16 * 16 * 32  # fewer rows than a tile of 16: one tile pair

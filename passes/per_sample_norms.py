@@ -6,8 +6,9 @@ bmm_f32), right after the contribution in graph order (so the operands can die
 early). Contractions ``A [p, N] @ G [N, m]`` with S rows per sample use the
 rank-one form (S == 1), the ghost form <A A^T, G G^T> (cost ~ S^2 (p+m)) or
 the direct form ||A_i G_i||^2 (cost ~ S p m plus its [p, m] gradient's memory
-traffic), picked per layer from the static shapes (mm_costs). Reductions materialise the per-sample [B, numel] gradient; embedding
-backwards use token equality. A gradient made of several matmul and embedding
+traffic), picked per layer from the static shapes (mm_costs). Reductions
+materialise the per-sample [B, numel] gradient; embedding backwards use token
+equality. A gradient made of several matmul and embedding
 contributions (tied weights) takes their norms and per-sample inner products
 (shared_norms); one made otherwise or reached through a reshaping chain is
 materialised per sample and its chain replayed with a leading sample dim, so
@@ -32,7 +33,8 @@ from dpcompile import gram_sq_norms as _gram_op  # defines dpcompile::gram_sq_no
 from dpcompile.fx_utils import GraphBuilder, known
 
 from . import conv_norms
-from .sample_factors import add_all as _add_all, bmm_f32, sample_major, spans as _spans, transpose12 as _transpose12
+from .sample_factors import (add_all as _add_all, bmm_f32, ids_in_range, sample_major, spans as _spans,
+                             transpose12 as _transpose12)
 from .batch_state import Batched, Contribution, masked_operand
 from .context import DPPassContext
 from .shared_norms import outer_terms, shared_sq
@@ -452,7 +454,7 @@ class NormBuilder:
         V, I = self._emb_parts(c)
         num, D = c.node.meta["val"].shape
         I = b.call(aten.squeeze.dim, I, -1)
-        I = b.call(aten.clamp_max.default, b.call(aten.clamp_min.default, I, 0), num - 1)  # masked rows carry zeros; keep their ids in range
+        I = ids_in_range(b, I, num)
         S = I.meta["val"].shape[1]
         bidx = b.call(aten.expand.default, b.view(b.arange(self.B, I.meta["val"].device), [self.B, 1]), [self.B, S])
         zeros = b.call(aten.full.default, [self.B, num, D], 0.0, dtype=torch.float32, device=V.meta["val"].device)
@@ -613,7 +615,7 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
                 raise AssertionError("scatter with a None index")
             iv = i
             if masked:  # masked-out rows are zero; keep their ids in range
-                iv = b.call(aten.clamp_max.default, b.call(aten.clamp_min.default, i, 0), base.meta["val"].shape[len(idx)] - 1)
+                iv = ids_in_range(b, i, base.meta["val"].shape[len(idx)])
             idx.append(iv)
         zeros = b.call(aten.full.default, [nb.B] + list(base.meta["val"].shape), 0.0, dtype=x.meta["val"].dtype,
                        device=x.meta["val"].device)

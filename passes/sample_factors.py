@@ -114,3 +114,9 @@ def add_all(b: GraphBuilder, parts: list[fx.Node]) -> fx.Node:
     for part in parts[1:]:
         total = b.call(aten.add.Tensor, total, part)
     return total
+
+
+def ids_in_range(b: GraphBuilder, ids: fx.Node, n: Any) -> fx.Node:
+    """ids clamped to [0, n): the rows a scatter or gather masks carry zero values, so any id in range serves,
+    and an out-of-range one (a padding or ignore id) must not reach the indexing op."""
+    return b.call(aten.clamp_max.default, b.call(aten.clamp_min.default, ids, 0), n - 1)

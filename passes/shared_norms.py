@@ -23,7 +23,7 @@ import torch.fx as fx
 from dpcompile.fx_utils import GraphBuilder
 
 from .param_grads import NORM_PRESERVING, ParamGrad
-from .sample_factors import add_all, bmm_f32, spans, transpose12
+from .sample_factors import add_all, bmm_f32, ids_in_range, spans, transpose12
 
 aten = torch.ops.aten
 
@@ -158,10 +158,10 @@ def _inner(b: GraphBuilder, u: tuple[str, fx.Node], v: tuple[str, fx.Node]) -> t
 
 
 def _gather(b: GraphBuilder, x: fx.Node, ids: fx.Node) -> fx.Node:
-    """[B, S, S'] with [b, s, t] = x[b, s, ids[b, t]] (x [B, S, n], ids [B, S', 1]), in fp32. Ids out of range
-    (rows an embedding masks, whose values are zeros) are clamped: their products are zero either way."""
+    """[B, S, S'] with [b, s, t] = x[b, s, ids[b, t]] (x [B, S, n], ids [B, S', 1]), in fp32. Ids of rows an
+    embedding masks (their values are zeros) are clamped into range: their products are zero either way."""
     B, S, n = x.meta["val"].shape
-    ids = b.call(aten.clamp_max.default, b.call(aten.clamp_min.default, ids, 0), n - 1)
+    ids = ids_in_range(b, ids, n)
     idx = b.call(aten.expand.default, transpose12(b, ids), [B, S, ids.meta["val"].shape[1]])
     return b.f32(b.call(aten.gather.default, x, 2, idx))
 
@@ -171,10 +171,10 @@ def _cross(b: GraphBuilder, nb, f, g) -> fx.Node:
     [rows, S'] fp32 matrices stay within the norm block size."""
     S, T = f[0][1].meta["val"].shape[1], g[0][1].meta["val"].shape[1]
     parts = []
+    zero = b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32)
     for lo, hi in spans(S, nb._blocks(2 * S * T * 4, S)):
         fx_, fy = _rows(b, f[0], lo, hi), _rows(b, f[1], lo, hi)
         (k1, p), (k2, q) = _inner(b, fx_, g[0]), _inner(b, fy, g[1])
-        zero = b.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32)
         if k1 == "equal" and k2 == "equal":
             prod = b.f32(b.call(aten.logical_and.default, p, q))
         elif k1 == "equal" or k2 == "equal":

@@ -75,6 +75,8 @@ changes that Opacus needs, made for every mode alike: GPT's position ids are
 a [B, T] tensor (Opacus' ghost clipping cannot take the shared [T] ids) and
 Llama's LM head is not tied to the embedding (Opacus refuses tied parameters
 under ghost clipping; --llama-tied keeps the tie and records Opacus' refusal).
+GPT-2 itself ties them too: --gpt-tied ties GPT's (dp_fsdp's norm of a weight
+used twice, passes/shared_norms.py).
 
 The fork is carried as source: a directory holding its `opacus` package,
 given with --fork-path and put first on the fork children's sys.path. From a
@@ -164,7 +166,10 @@ def build_model(spec: dict):
                 x = b(x)
             return self.lm_head(self.ln_f(x))
 
-    return GPTSamplePositions(dims["vocab"], dims["d"], dims["heads"], dims["layers"], spec["T"])
+    model = GPTSamplePositions(dims["vocab"], dims["d"], dims["heads"], dims["layers"], spec["T"])
+    if spec.get("gpt_tied"):
+        model.lm_head.weight = model.wte.weight
+    return model
 
 
 def autocast_for(spec: dict, device):
@@ -1067,7 +1072,8 @@ def run_all(args, on_row=None) -> tuple[list[dict], int | None]:
     SIGINT or SIGHUP stopped the run, its number (the mode then running ends as a row with status 'stopped')."""
     specs = [dict(model=m, B=b, T=t, dtype=dt, mode=mode, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
                   fork_path=os.path.abspath(args.fork_path) if args.fork_path else None, shard=args.shard,
-                  llama_tied=args.llama_tied, inductor_config=args.inductor_config, dp_options=args.dp_options,
+                  llama_tied=args.llama_tied, gpt_tied=args.gpt_tied, inductor_config=args.inductor_config,
+                  dp_options=args.dp_options,
                   bucket_mb=args.bucket_mb, overlap=args.overlap, unbacked=args.unbacked,
                   memory_snapshots=os.path.abspath(args.memory_snapshots) if args.memory_snapshots else None,
                   kernel_profile=os.path.abspath(args.kernel_profile) if args.kernel_profile else None,
@@ -1139,6 +1145,8 @@ def main(argv=None) -> int:
                          "'unbacked', beside the static-batch rows of another call (what the unbacked size costs "
                          "Inductor, measured on one GPU)")
     ap.add_argument("--llama-tied", action="store_true", help="tie Llama's LM head to its embedding (Opacus refuses)")
+    ap.add_argument("--gpt-tied", action="store_true", help="tie GPT's LM head to its token embedding, as GPT-2 does "
+                    "(Opacus refuses)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every mode this many times, each round after all modes of the one before, each run a "
                          "process of its own; a mode's median is the median of its rounds' (pool_rounds)")

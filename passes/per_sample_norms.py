@@ -19,6 +19,7 @@ Then c_i = min(1, C / (||g_i|| + eps)) and the row scale r_i = c_i * M * k
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -128,11 +129,33 @@ class NormBuilder:
         self.b = b
         self.ctx = ctx
         self.B = ctx.batch_size
+        self._reused: dict | None = None
+
+    @contextlib.contextmanager
+    def reusing_factors(self):
+        """Within: each contribution's per-sample factors (mm_factors, _emb_parts) built once, for norms that read
+        them twice at one insertion point (shared_norms: a use's own norm, then its cross terms)."""
+        self._reused = {}
+        try:
+            yield
+        finally:
+            self._reused = None
+
+    def _once(self, what: str, c: Contribution, build):
+        if self._reused is None:
+            return build(c)
+        key = (what, c.node)
+        if key not in self._reused:
+            self._reused[key] = build(c)
+        return self._reused[key]
 
     # -- mm: A [p, N] @ G [N, m] with samples on N ------------------------------
     # bmm: A [H, p, N] @ G [H, N, m] (per-head weights): H such products side by side, their factors
     # [B * H, S, p] and [B * H, S, m], each sample's squared norm the sum of its H products' ones
     def mm_factors(self, c: Contribution):
+        return self._once("mm", c, self._mm_factors)
+
+    def _mm_factors(self, c: Contribution):
         a, g = c.node.args[0], c.node.args[1]
         if c.kind == "bmm":
             return (sample_major(self.b, a, c.layouts[0], [1], self.B, lead=(0,)),
@@ -424,6 +447,9 @@ class NormBuilder:
 
     # -- embedding backward: rows scattered by token id -------------------------
     def _emb_parts(self, c: Contribution):
+        return self._once("embedding", c, self._build_emb_parts)
+
+    def _build_emb_parts(self, c: Contribution):
         b = self.b
         idx, values = c.extra["indices"], c.extra["values"]
         lay = c.layouts["values"]

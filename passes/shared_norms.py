@@ -190,11 +190,12 @@ def shared_sq(nb, terms: list[tuple[Any, float, bool]]) -> tuple[fx.Node, str]:
     """([B] squared norm of sum_k c_k g_k per sample, why) for outer_terms' terms."""
     b = nb.b
     parts, forms = [], []
-    for c, coef, _ in terms:
-        sq, algo, _ = nb.sq(c)
-        parts.append(sq if coef * coef == 1.0 else b.call(aten.mul.Tensor, sq, coef * coef))
-        forms.append(algo)
-    factors = [_factors(nb, c, flipped) for c, _, flipped in terms]
+    with nb.reusing_factors():
+        for c, coef, _ in terms:
+            sq, algo, _ = nb.sq(c)
+            parts.append(sq if coef * coef == 1.0 else b.call(aten.mul.Tensor, sq, coef * coef))
+            forms.append(algo)
+        factors = [_factors(nb, c, flipped) for c, _, flipped in terms]
     for k in range(len(terms)):
         for l in range(k + 1, len(terms)):
             w = 2.0 * terms[k][1] * terms[l][1]

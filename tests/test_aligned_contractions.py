@@ -152,6 +152,32 @@ def test_a_computed_operand_is_computed_padded_and_read_sliced():
     assert [tuple(o.meta["val"].shape) for o in (dx, dw, gram)] == [(16, 16), (13, 16), (2, 8, 8)]
 
 
+def test_gathers_read_the_slice_of_the_padded_value(monkeypatch):
+    """A tied LM head's cross term gathers the logits gradient at the token ids (shared_norms): the gather reads
+    the slice of the padded buffer, so the value is computed padded, not written and then copied padded."""
+    def f(logits, w, ids):
+        g = logits * 3.0
+        picked = aten.gather.default(g.view(2, 8, 13), 2, ids)
+        return torch.mm(g, w), picked, aten.index_select.default(g, 1, ids[0, :, 0])
+
+    monkeypatch.setattr(AC, "PAD_DEVICES", ("cpu",))  # (fake CUDA gathers need a CUDA build)
+    with FakeTensorMode():
+        gm = make_fx(f)(torch.empty(16, 13, dtype=torch.bfloat16), torch.empty(13, 16, dtype=torch.bfloat16),
+                        torch.empty(2, 8, 8, dtype=torch.int64))
+    ctx = _Ctx()
+    gm = finalize(AC.aligned_contractions_pass(gm, ctx))
+    gm.graph.eliminate_dead_code()
+    assert ctx.counters["padded_values_shared"] == 1
+    (mul,) = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
+    (pad,) = mul.users
+    assert pad.target is aten.constant_pad_nd.default
+    (gather,) = gm.graph.find_nodes(op="call_function", target=aten.gather.default)
+    (select,) = gm.graph.find_nodes(op="call_function", target=aten.index_select.default)
+    for reader in (gather.args[0].args[0], select.args[0]):
+        assert reader.target is aten.slice.Tensor and reader.args[0] is pad
+    assert tuple(gather.meta["val"].shape) == (2, 8, 8) and tuple(select.meta["val"].shape) == (16, 8)
+
+
 def test_readers_that_need_the_values_layout_keep_it():
     ctx = _Ctx()
     gm = finalize(AC.aligned_contractions_pass(_computed_lm_head(True), ctx))
@@ -165,14 +191,16 @@ def test_readers_that_need_the_values_layout_keep_it():
     assert s.args[0].target is aten.slice.Tensor  # the sum still reads the padded buffer
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_computed_padded_values_give_the_exact_gradients(schedule, monkeypatch):
-    """The sharing at work on a GPT (logits gradient, attention and MLP gradients all computed padded), against
-    the vmap(grad) oracle with clipping active, through Inductor."""
+def test_computed_padded_values_give_the_exact_gradients(schedule, tied, monkeypatch):
+    """The sharing at work on a GPT (logits gradient, attention and MLP gradients all computed padded; tied: the
+    cross term's gather of the logits gradient reads it sliced too), against the vmap(grad) oracle with
+    clipping active, through Inductor."""
     monkeypatch.setattr(AC, "PAD_DEVICES", ("cpu",))
     monkeypatch.setattr(AC, "ALIGNMENT", {torch.float32: 8})
     torch.manual_seed(1)
-    model = M.GPT(vocab=13, d=12, n_head=2, n_layer=1, max_t=6)
+    model = M.GPT(vocab=13, d=12, n_head=2, n_layer=1, max_t=6, tied=tied)
     ids, y = torch.randint(0, 13, (5, 6)), torch.randint(0, 13, (5, 6))
     backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -67,3 +68,12 @@ def run_interpreted(script: str, *args: str) -> dict:
 def all_cpp_wrapper_codes(codes) -> bool:
     """Whether Inductor wrote every one of these generated files with its C++ wrapper (and at least one)."""
     return bool(codes) and all("cpp_wrapper" in c or 'extern "C"' in c for c in codes)
+
+
+def norm_contraction_operands(graph_text: str) -> dict[str, list[str]]:
+    """The operands' dtypes of each dpcompile::gram_sq_norms and aten.bmm.dtype call in a readable graph (a
+    node's dtype from its definition, `name: "bf16[4, 6, 32]" = ...`)."""
+    dtypes = dict(re.findall(r'^\s*(\w+): "(\w+)\[', graph_text, re.M))
+    calls = re.findall(r'^\s*(\w+): "\w+\[[^"]*\]" = torch\.ops\.(?:dpcompile\.gram_sq_norms\.default|'
+                       r'aten\.bmm\.dtype)\((\w+), (\w+)', graph_text, re.M)
+    return {out: [dtypes.get(a), dtypes.get(b)] for out, a, b in calls}

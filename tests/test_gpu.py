@@ -1,7 +1,6 @@
 """The same oracle checks with Inductor emitting Triton on a GPU (skipped without CUDA)."""
 import copy
 import functools
-import re
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import dpcompile
 import models as M
 from reference import dp_reference
 from cases import CASES, bad_samples, check_case_invariants, finite_median, with_bad_samples
-from helpers import all_cpp_wrapper_codes
+from helpers import all_cpp_wrapper_codes, norm_contraction_operands
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -299,15 +298,6 @@ def _assert_bf16_close(gpu, ref):
                                    msg=lambda m: f"{name}: {m}")
 
 
-def _norm_contraction_operands(graph_text: str) -> dict[str, list[str]]:
-    """The operands' dtypes of each dpcompile::gram_sq_norms and aten.bmm.dtype call in a readable graph (a
-    node's dtype from its definition, `name: "bf16[4, 6, 32]" = ...`)."""
-    dtypes = dict(re.findall(r'^\s*(\w+): "(\w+)\[', graph_text, re.M))
-    calls = re.findall(r'^\s*(\w+): "\w+\[[^"]*\]" = torch\.ops\.(?:dpcompile\.gram_sq_norms\.default|'
-                       r'aten\.bmm\.dtype)\((\w+), (\w+)', graph_text, re.M)
-    return {out: [dtypes.get(a), dtypes.get(b)] for out, a, b in calls}
-
-
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_cuda_bf16_model_matches_reference(case, schedule):
@@ -321,7 +311,7 @@ def test_cuda_bf16_model_matches_reference(case, schedule):
     (record,) = [r for r in backend.compiled if r.dp]
     # the bf16 factors were not upcast: every norm contraction (the Gram kernel, a bmm accumulating in fp32)
     # reads bf16 operands
-    operands = _norm_contraction_operands(record.graphs["joint_graph_after_dp"])
+    operands = norm_contraction_operands(record.graphs["joint_graph_after_dp"])
     assert operands and all(dtypes == ["bf16", "bf16"] for dtypes in operands.values()), operands
     assert record.counters["contractions_padded"] > 0  # the odd vocab (13) and sequence (6), zero-padded
     _assert_bf16_close(gpu, ref)

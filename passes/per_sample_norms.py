@@ -141,10 +141,10 @@ class NormBuilder:
         finally:
             self._reused = None
 
-    def _once(self, what: str, c: Contribution, build):
+    def _once(self, c: Contribution, build):
         if self._reused is None:
             return build(c)
-        key = (what, c.node)
+        key = (build, c.node)
         if key not in self._reused:
             self._reused[key] = build(c)
         return self._reused[key]
@@ -153,7 +153,7 @@ class NormBuilder:
     # bmm: A [H, p, N] @ G [H, N, m] (per-head weights): H such products side by side, their factors
     # [B * H, S, p] and [B * H, S, m], each sample's squared norm the sum of its H products' ones
     def mm_factors(self, c: Contribution):
-        return self._once("mm", c, self._mm_factors)
+        return self._once(c, self._mm_factors)
 
     def _mm_factors(self, c: Contribution):
         a, g = c.node.args[0], c.node.args[1]
@@ -447,7 +447,7 @@ class NormBuilder:
 
     # -- embedding backward: rows scattered by token id -------------------------
     def _emb_parts(self, c: Contribution):
-        return self._once("embedding", c, self._build_emb_parts)
+        return self._once(c, self._build_emb_parts)
 
     def _build_emb_parts(self, c: Contribution):
         b = self.b

@@ -1,6 +1,7 @@
 """Run one DP step through the backend and compare with the vmap oracle."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -70,6 +71,32 @@ def all_cpp_wrapper_codes(codes) -> bool:
     return bool(codes) and all("cpp_wrapper" in c or 'extern "C"' in c for c in codes)
 
 
+def clipped_on(device, model, loss, inputs, targets, **options):
+    """The fp64 oracle (C = median norm, clipping active) and dp_fsdp's step on a copy of ``model`` on
+    ``device``: (oracle gradients, the copy, its backend)."""
+    _, norms = dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
+    C = float(norms.median())
+    ref, _ = dp_reference(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
+    dp = copy.deepcopy(model).to(device)
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, **options)
+
+    def step(xs, ts):
+        l = loss(dp(*xs).float(), *ts).mean()  # the loss in fp32 whatever the model computes in
+        l.backward()
+        return l.detach()
+
+    torch.compile(step, backend=backend)(tuple(x.to(device) for x in inputs), tuple(t.to(device) for t in targets))
+    return ref, dp, backend
+
+
+def assert_bf16_close(model, ref):
+    """Every gradient of ``model`` against the fp64 oracle with bf16 tolerances."""
+    for name, p in model.named_parameters():
+        want = ref[name]
+        torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def norm_contraction_operands(graph_text: str) -> dict[str, list[str]]:
     """The operands' dtypes of each dpcompile::gram_sq_norms and aten.bmm.dtype call in a readable graph (a
     node's dtype from its definition, `name: "bf16[4, 6, 32]" = ...`)."""
@@ -77,3 +104,10 @@ def norm_contraction_operands(graph_text: str) -> dict[str, list[str]]:
     calls = re.findall(r'^\s*(\w+): "\w+\[[^"]*\]" = torch\.ops\.(?:dpcompile\.gram_sq_norms\.default|'
                        r'aten\.bmm\.dtype)\((\w+), (\w+)', graph_text, re.M)
     return {out: [dtypes.get(a), dtypes.get(b)] for out, a, b in calls}
+
+
+def assert_norms_read_bf16(record) -> None:
+    """The bf16 factors were not upcast: every norm contraction of a compile (the Gram kernel, a bmm
+    accumulating in fp32) reads bf16 operands."""
+    operands = norm_contraction_operands(record.graphs["joint_graph_after_dp"])
+    assert operands and all(dtypes == ["bf16", "bf16"] for dtypes in operands.values()), operands

@@ -9,7 +9,7 @@ import dpcompile
 import models as M
 from reference import dp_reference
 from cases import CASES, bad_samples, check_case_invariants, finite_median, with_bad_samples
-from helpers import all_cpp_wrapper_codes, norm_contraction_operands
+from helpers import all_cpp_wrapper_codes, assert_bf16_close, assert_norms_read_bf16, clipped_on
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -23,21 +23,7 @@ def exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _clipped_on_cuda(model, loss, inputs, targets, **options):
-    """The fp64 oracle (C = median norm, clipping active) and dp_fsdp's step on a CUDA copy of ``model``."""
-    _, norms = dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
-    C = float(norms.median())
-    ref, _ = dp_reference(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
-    gpu = copy.deepcopy(model).cuda()
-    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, **options)
-
-    def step(xs, ts):
-        l = loss(gpu(*xs).float(), *ts).mean()  # the loss in fp32 whatever the model computes in
-        l.backward()
-        return l.detach()
-
-    torch.compile(step, backend=backend)(tuple(x.cuda() for x in inputs), tuple(t.cuda() for t in targets))
-    return ref, gpu, backend
+_clipped_on_cuda = functools.partial(clipped_on, "cuda")
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
@@ -290,14 +276,6 @@ def test_cuda_normals_reach_the_gaussian_tails():
     noise_kernel_check.assert_tails(noise_kernel_check.tail_cases("cuda"))
 
 
-def _assert_bf16_close(gpu, ref):
-    """Every gradient of the CUDA model against the fp64 oracle with bf16 tolerances."""
-    for name, p in gpu.named_parameters():
-        want = ref[name]
-        torch.testing.assert_close(p.grad.double().cpu(), want, rtol=5e-2, atol=2e-2 * float(want.abs().max()),
-                                   msg=lambda m: f"{name}: {m}")
-
-
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", ["gpt", "llama"])
 def test_cuda_bf16_model_matches_reference(case, schedule):
@@ -309,12 +287,9 @@ def test_cuda_bf16_model_matches_reference(case, schedule):
     inputs, targets = c.data(4)
     ref, gpu, backend = _clipped_on_cuda(model, c.loss, inputs, targets, schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]
-    # the bf16 factors were not upcast: every norm contraction (the Gram kernel, a bmm accumulating in fp32)
-    # reads bf16 operands
-    operands = norm_contraction_operands(record.graphs["joint_graph_after_dp"])
-    assert operands and all(dtypes == ["bf16", "bf16"] for dtypes in operands.values()), operands
+    assert_norms_read_bf16(record)
     assert record.counters["contractions_padded"] > 0  # the odd vocab (13) and sequence (6), zero-padded
-    _assert_bf16_close(gpu, ref)
+    assert_bf16_close(gpu, ref)
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
@@ -328,7 +303,7 @@ def test_cuda_autocast_model_matches_reference(case, schedule):
     ref, gpu, backend = _clipped_on_cuda(M.Autocast(c.model()), c.loss, inputs, targets, schedule=schedule)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters.get("clipped_row_sums_cast", 0) == (case == "gpt"), record.counters
-    _assert_bf16_close(gpu, ref)
+    assert_bf16_close(gpu, ref)
 
 
 def test_cuda_conv_norm_kernel_matches_autograd_per_sample_gradients():

@@ -59,27 +59,14 @@ def test_bf16_model_norms_read_bf16_factors(case):
     """A bf16 model on CPU: every per-sample norm contraction (the Gram kernel's reference here) reads the bf16
     factors as they are, as on CUDA (test_gpu's bf16-model test, which CI cannot run); the gradients against
     the fp64 oracle on the same bf16-rounded weights, with bf16 tolerances."""
-    import copy
-
     from cases import CASES
-    from helpers import compile_step, norm_contraction_operands
-    from reference import dp_reference
+    from helpers import assert_bf16_close, assert_norms_read_bf16, clipped_on
 
     c = CASES[case]
     torch.manual_seed(0)
     model = c.model().to(bf16)
     inputs, targets = c.data(4)
-    loss = lambda out, *t: c.loss(out.float(), *t)  # noqa: E731  (the loss in fp32, as users compute it)
-    _, norms = dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
-    C = float(norms.median())
-    ref, _ = dp_reference(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
-    dp = copy.deepcopy(model)
-    step, backend = compile_step(dp, loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5,
-                                 schedule="bk", compiler="eager")
-    step(inputs, targets)
+    ref, dp, backend = clipped_on("cpu", model, c.loss, inputs, targets, schedule="bk", compiler="eager")
     (record,) = [r for r in backend.compiled if r.dp]
-    operands = norm_contraction_operands(record.graphs["joint_graph_after_dp"])
-    assert operands and all(dtypes == ["bf16", "bf16"] for dtypes in operands.values()), operands
-    for name, p in dp.named_parameters():
-        torch.testing.assert_close(p.grad.double(), ref[name], rtol=5e-2, atol=2e-2 * float(ref[name].abs().max()),
-                                   msg=lambda m: f"{name}: {m}")
+    assert_norms_read_bf16(record)
+    assert_bf16_close(dp, ref)

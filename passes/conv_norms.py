@@ -84,8 +84,17 @@ def geometry(c: Contribution) -> ConvGeometry:
     grad_out, x, w = n.args[0], n.args[1], n.args[2]
     stride, padding, dilation, transposed, output_padding, groups = n.args[4:10]
     e, d = (x, grad_out) if transposed else (grad_out, x)
-    return ConvGeometry(e, d, c.layouts[0], list(w.meta["val"].shape), list(stride), list(padding),
-                        list(dilation), bool(transposed), list(output_padding), groups)
+    shape = list(w.meta["val"].shape)
+    nd = len(shape) - 2
+    return ConvGeometry(e, d, c.layouts[0], shape, per_dim(stride, nd), per_dim(padding, nd), per_dim(dilation, nd),
+                        bool(transposed), per_dim(output_padding, nd), groups)
+
+
+def per_dim(values, nd: int) -> list:
+    """A convolution's stride, padding, dilation or output_padding, one value per spatial dim: aten takes one
+    value for all of them too (padding="valid" traces as padding [0])."""
+    values = list(values)
+    return values * nd if len(values) == 1 else values
 
 
 # Multiply-adds worth one byte of an fp32 intermediate written and read back: a tensor-core rate over the memory

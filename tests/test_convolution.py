@@ -43,6 +43,8 @@ FORMS = {
     "3d_anisotropic_stride": (3, False, dict(stride=(1, 2, 1), padding=(0, 1, 1))),
     "2d_transposed": (2, True, dict(stride=2, padding=1, output_padding=1, groups=2)),
     "1d_transposed_dilated": (1, True, dict(dilation=2, output_padding=1)),  # padding past the stride: no unfold
+    # padding="valid" traces as padding [0], one value for every spatial dim (SigLIP's patch embedding)
+    "3d_valid": (3, False, dict(padding="valid")),
 }
 
 

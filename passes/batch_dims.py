@@ -280,6 +280,9 @@ class BatchDimAnalysis:
             # norm (per_sample_norms.weight_norm_backward)
             return (Reduced(r.origin), Reduced(r.origin))
         if t in _LINEAR_ON_REDUCED or getattr(t, "overloadpacket", None) in _VIEWLIKE_PACKETS:
+            if t in (aten.div.Tensor, aten.div.Scalar) and self._batch_size_mean(node):
+                self.ctx.batch_size_means.add(node)
+                return Reduced(r.origin)
             if t in (aten.mul.Tensor, aten.div.Tensor):
                 # linear only if the other factor does not depend on the samples
                 if t is aten.div.Tensor and isinstance(self.states.get(node.args[1]), Reduced):
@@ -297,6 +300,23 @@ class BatchDimAnalysis:
                     return Mixed(node, "a product of two sums over the samples")
             return Reduced(r.origin)
         return Mixed(node, f"{op_name(node)} of a sum over the samples")
+
+    def _batch_size_mean(self, node: fx.Node) -> bool:
+        """``node`` divides a sum over the samples by the batch size (F.kl_div's reduction="batchmean", a
+        hand-written ``loss.sum() / x.shape[0]``): the mean of per-sample losses that ``.mean()`` is, which the
+        loss pass takes as one. Taken as a constant factor of each sample's loss instead, the DP gradient would
+        be the sum of clip(g_i / B) over the samples: under Poisson sampling B is the number of samples drawn,
+        so one sample more or less would change every other sample's clipped share, and the sensitivity would
+        exceed max_grad_norm. A static batch size is a number in the graph, a dynamic one a size symbol: both
+        are compared with the analysis' batch size."""
+        num = self.states.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        if not (isinstance(num, Reduced) and num.origin is node.args[0]
+                and getattr(num.origin.target, "overloadpacket", None) is aten.sum):
+            return False
+        d = node.args[1]
+        d = d.meta.get("val") if isinstance(d, fx.Node) else d
+        return isinstance(d, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(d, bool) \
+            and known(d == self.B)
 
     def _sample_count_mean(self, node: fx.Node) -> bool:
         """``node`` divides a sum of one value per sample by a count of samples (F.cross_entropy's and

@@ -207,6 +207,19 @@ def sample_count_sum(node: Any) -> fx.Node | None:
     return node if isinstance(v, torch.Tensor) and v.dtype == torch.bool else None
 
 
+def count_key(count: fx.Node) -> tuple:
+    """What a count of samples (a cast of a sample_count_sum node) counts, the same for two counts of one test written
+    differently: F.cross_entropy with label smoothing divides its two terms by ``(target != ignore_index).sum()``
+    and by ``(~(target == ignore_index)).sum()``, one count of the targets that are not ignored."""
+    x, negated = (sample_count_sum(count) or count).args[0], False  # (the sum under its casts)
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in (aten.bitwise_not.default,
+                                                                             aten.logical_not.default):
+        x, negated = x.args[0], not negated
+    if isinstance(x, fx.Node) and x.op == "call_function" and x.target in (aten.eq.Scalar, aten.ne.Scalar):
+        return ("eq", x.args[0], x.args[1], negated != (x.target is aten.ne.Scalar))
+    return (x, negated)
+
+
 def loss_not_per_sample(origin: fx.Node, why: str) -> SamplesMixedError:
     example = ("F.cross_entropy and F.nll_loss with their default reduction='mean' divide by the number of "
                "targets that are not ignore_index, a count taken across samples; pass reduction='none'"

@@ -74,6 +74,9 @@ class DPPassContext:
     # a sum of per-sample losses divided by a count of samples (F.cross_entropy's default mean: the targets
     # that are not ignore_index): the division -> the count (BatchDimAnalysis._sample_count_mean)
     sample_count_means: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
+    # a sum over the samples divided by the batch size (F.kl_div's reduction="batchmean"): a mean
+    # (BatchDimAnalysis._batch_size_mean)
+    batch_size_means: set[fx.Node] = dataclasses.field(default_factory=set)
     decompositions: dict[str, Any] = dataclasses.field(default_factory=dict)  # param name -> ParamGrad
     scale_rows: fx.Node | None = None  # r = c * M * k, shape [B]
     clip_coef: fx.Node | None = None

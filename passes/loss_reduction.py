@@ -11,7 +11,8 @@ from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.fx_utils import known
 from dpcompile.step_split import split_error_text
 
-from .batch_state import FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, loss_not_per_sample, sample_count_sum
+from .batch_state import (FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, count_key, loss_not_per_sample,
+                          sample_count_sum)
 from .context import DPPassContext
 
 aten = torch.ops.aten
@@ -28,6 +29,10 @@ def _empty_batch_loss(ctx: DPPassContext, loss: fx.Node, tangent: fx.Node) -> No
             break
         if node.target is aten.div.Tensor and sample_count_sum(node.args[1]) is not None:
             kind = "mean"  # a sum over a count of samples, as batch_dims takes it where there are samples
+            break
+        if node.target in (aten.div.Tensor, aten.div.Scalar) and not isinstance(node.args[1], fx.Node) and \
+                node.args[1] == 0:
+            kind = "mean"  # a sum over the batch size, 0 here (F.kl_div's "batchmean"; _batch_size_mean)
             break
         ins = node.all_input_nodes
         node = ins[0] if len(ins) == 1 else None
@@ -109,6 +114,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
                and ctx.compile_reason else ""),
         ))
     kinds = set()
+    over_batch_size = False  # a sum divided by the batch size seen (F.kl_div's "batchmean")
     if isinstance(st, Batched):  # B == 1 without an explicit reduction (e.g. per_sample.squeeze())
         kinds.add("sum")
     seen = set()
@@ -120,6 +126,10 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             continue
         seen.add(n)
         s = ctx.states.get(n)
+        if n in ctx.batch_size_means:  # sum / B: a mean, as .mean() is
+            kinds.add("mean")
+            over_batch_size = True
+            continue
         if isinstance(s, Reduced) and s.origin is n:
             packet = getattr(n.target, "overloadpacket", None)
             kinds.add("mean" if packet is aten.mean else "sum")
@@ -140,11 +150,12 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     kind = kinds.pop()
     count = None
     if counts:
-        if len(counts) > 1 or kind != "sum":
+        # one count written twice (label smoothing's two terms) is one count
+        if len({count_key(c) for c in counts}) > 1 or kind != "sum":
             raise DPCompileError(
                 "dp_fsdp: the loss divides sums over the batch by different counts of samples, or a mean by "
                 "one; use one reduction of per-sample losses. " + PER_SAMPLE_LOSS_HELP)
-        kind, (count,) = "mean", counts
+        kind, count = "mean", min(counts, key=lambda c: c.name)
     if kind == "mean":
         if ctx.options.expected_batch_size is None:
             raise DPValueError(
@@ -161,5 +172,9 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         ctx.summary["loss"]["count"] = ("a sum of per-sample losses over a count of samples (F.cross_entropy's "
                                         "default mean: the targets that are not ignore_index), taken as a mean")
         ctx.counters["loss_mean_over_sample_count"] += 1
+    if over_batch_size:
+        ctx.summary["loss"]["count"] = ("a sum of per-sample losses over the batch size (F.kl_div's "
+                                        "reduction='batchmean'), taken as a mean")
+        ctx.counters["loss_mean_over_batch_size"] += 1
     ctx.counters[f"loss_{kind}"] += 1
     return gm

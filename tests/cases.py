@@ -240,6 +240,31 @@ def side_by_side(cases: dict[str, Case]) -> Case:
     return Case(model, data, loss)
 
 
+def _soft_targets(logits, y):
+    """A target distribution made in the step from class targets (an ignored target's row: uniform)."""
+    classes = torch.arange(logits.shape[-1], device=y.device)
+    return torch.where(y[:, None] == classes, 0.8, 0.2 / (logits.shape[-1] - 1)).to(logits.dtype)
+
+
+# Whole-batch losses as users write them that are means of per-sample losses: name -> (the step's loss, the
+# oracle's per-sample loss, the counter the loss pass shows). Cross-entropy's default mean divides by the count
+# of targets that are not ignore_index (label smoothing divides its two terms by that count, computed twice);
+# kl_div's "batchmean" divides a sum by the batch size.
+BATCH_MEANS = {
+    "cross_entropy": (lambda out, y: F.cross_entropy(out, y),
+                      lambda out, y: F.cross_entropy(out, y, reduction="none"), "loss_mean_over_sample_count"),
+    "nll_loss": (lambda out, y: F.nll_loss(F.log_softmax(out, -1), y),
+                 lambda out, y: F.nll_loss(F.log_softmax(out, -1), y, reduction="none"),
+                 "loss_mean_over_sample_count"),
+    "label_smoothing": (lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1),
+                        lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="none"),
+                        "loss_mean_over_sample_count"),
+    "kl_batchmean": (lambda out, y: F.kl_div(F.log_softmax(out, -1), _soft_targets(out, y), reduction="batchmean"),
+                     lambda out, y: F.kl_div(F.log_softmax(out, -1), _soft_targets(out, y),
+                                             reduction="none").sum(-1), "loss_mean_over_batch_size"),
+}
+
+
 def with_bad_samples(case: Case, bad_input=1, bad_weight=2) -> Case:
     """The case with one more input, a per-sample loss weight, and two bad samples in every batch large
     enough: sample ``bad_input``'s float inputs hold NaN (so do its activations) and sample ``bad_weight``'s

@@ -430,18 +430,18 @@ def noise(rank, world, init_file, out_dir, seed):
 
 
 def cross_entropy_mean(rank, world, init_file, out_dir):
-    """F.cross_entropy(logits, y) with its default mean (over the targets that are not ignore_index), sharded:
-    per-rank batches SHARDED_STEPS with an ignored target in each batch of three or more, both schedules;
-    every rank's gathered gradient against the oracle of the per-sample losses (reduction="none")."""
+    """Whole-batch means of per-sample losses (cases.BATCH_MEANS: F.cross_entropy's default mean over the
+    targets that are not ignore_index, with label smoothing too, and F.kl_div's "batchmean"), sharded: per-rank
+    batches SHARDED_STEPS with an ignored target in each batch of three or more, both schedules; every rank's
+    gathered gradient against the oracle of the per-sample losses (reduction="none")."""
     import json
     import traceback
 
-    import torch.nn.functional as F
-
     mesh = _init(rank, world, init_file)
-    per_sample = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
     results = {}
-    for schedule, form in (("bk", "compile"), ("ghost", "private_step")):
+    for loss, schedule, form in (("cross_entropy", "bk", "compile"), ("cross_entropy", "ghost", "private_step"),
+                                 ("label_smoothing", "ghost", "compile"), ("kl_batchmean", "bk", "private_step")):
+        batch_loss, per_sample, _ = cases.BATCH_MEANS[loss]
         torch._dynamo.reset()
         torch.manual_seed(0)
         batches = []
@@ -459,9 +459,9 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
         options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule)
 
         def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            return loss.detach()
+            out = batch_loss(model(x), y)
+            out.backward()
+            return out.detach()
 
         fn = torch.compile(step, backend="dp_fsdp", options=options) if form == "compile" else \
             dpcompile.private_step(step, **options)
@@ -479,9 +479,9 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
                                                msg=lambda m: f"{sizes} {name}: {m}")
             backend = dpcompile.get_backend(options) if form == "compile" else fn.dp_backend
             (record,) = [r for r in backend.compiled if r.dp]
-            results[schedule] = {"error": None, "counters": dict(record.counters)}
+            results[f"{loss}-{schedule}"] = {"error": None, "counters": dict(record.counters)}
         except Exception:  # noqa: BLE001 - reported to the test
-            results[schedule] = {"error": traceback.format_exc()[-3000:]}
+            results[f"{loss}-{schedule}"] = {"error": traceback.format_exc()[-3000:]}
     with open(os.path.join(out_dir, f"ce{rank}.json"), "w") as f:
         json.dump(results, f)
     _finish()

@@ -9,7 +9,7 @@ import dist_worker
 from ranks import SharedRanks, spawn
 from ranks import read as _read
 from dpcompile.compat import dtensor_takes_unbacked_batch, meshes_are_graph_inputs
-from cases import SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_INDUCTOR_ON_ONE_PROCESS, check_case_invariants
+from cases import BATCH_MEANS, SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_INDUCTOR_ON_ONE_PROCESS, check_case_invariants
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -227,13 +227,17 @@ def test_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(tmp_path):
 
 
 @_ranks("cross_entropy_mean")
-def test_cross_entropys_default_mean_sharded(shared_ranks):
-    """F.cross_entropy(logits, y), default mean, on 2 ranks (per-rank batches of 0, 1, 3, 4, 5; ignored
-    targets): a mean of per-sample losses over each rank's count, exact against the oracle, both schedules."""
+def test_whole_batch_means_sharded(shared_ranks):
+    """Whole-batch means of per-sample losses on 2 ranks (per-rank batches of 0, 1, 3, 4, 5; ignored targets):
+    F.cross_entropy's default mean in both schedules, with label smoothing, and F.kl_div's "batchmean" (a sum
+    over each rank's batch size), exact against the oracle, each seen by the loss pass as the mean it is."""
     for rank, results in enumerate(_read(shared_ranks(RANKS, "cross_entropy_mean"), prefix="ce")):
-        for schedule, r in results.items():
-            assert r["error"] is None, f"rank {rank} {schedule}:\n{r['error']}"
-            assert r["counters"]["loss_mean_over_sample_count"] == 1, r["counters"]
+        assert sorted(results) == ["cross_entropy-bk", "cross_entropy-ghost", "kl_batchmean-bk",
+                                   "label_smoothing-ghost"], results
+        for run, r in results.items():
+            assert r["error"] is None, f"rank {rank} {run}:\n{r['error']}"
+            counter = BATCH_MEANS[run.split("-")[0]][2]
+            assert r["counters"][counter] == 1, r["counters"]
 
 
 @_ranks("noise")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import dpcompile
 
 import models as M
-from cases import CASES, bad_samples, check_case_invariants, ids as _ids, with_bad_samples
+from cases import BATCH_MEANS, CASES, bad_samples, check_case_invariants, ids as _ids, with_bad_samples
 from helpers import check_against_reference
 
 
@@ -393,12 +393,18 @@ def test_weight_normalised_as_a_whole(schedule):
 
 
 @pytest.mark.parametrize("schedule,batch,loss", [("bk", "static", "cross_entropy"), ("ghost", "unbacked", "cross_entropy"),
-                                                 ("ghost", "static", "nll_loss"), ("bk", "unbacked", "nll_loss")])
-def test_cross_entropys_default_mean_over_one_target_per_sample(schedule, batch, loss):
-    """F.cross_entropy(logits, y) and F.nll_loss with their default mean: a sum of per-sample losses over the
-    count of targets that are not ignore_index, one per sample, so a mean of per-sample losses (the DP gradient
-    divides by expected_batch_size, as for .mean()); exact against the oracle of the per-sample losses
-    (reduction="none"), an ignored target's sample contributing nothing and not counted as dropped."""
+                                                 ("ghost", "static", "nll_loss"), ("bk", "unbacked", "nll_loss"),
+                                                 ("bk", "static", "label_smoothing"),
+                                                 ("ghost", "unbacked", "label_smoothing"),
+                                                 ("ghost", "static", "kl_batchmean"), ("bk", "unbacked", "kl_batchmean")])
+def test_whole_batch_means_of_per_sample_losses(schedule, batch, loss):
+    """Losses written over the whole batch that are means of per-sample losses (tests/cases.BATCH_MEANS):
+    F.cross_entropy (label smoothing too) and F.nll_loss with their default mean, a sum of per-sample losses over
+    the count of targets that are not ignore_index, one per sample; F.kl_div's "batchmean", a sum over the batch
+    size. The DP gradient divides by expected_batch_size, as for .mean(): exact against the oracle of the
+    per-sample losses (reduction="none"), an ignored target's sample contributing nothing and not counted as
+    dropped. Taken as a sum of per-sample losses each over the batch size instead (before), "batchmean" clipped
+    g_i / B (fc1.weight off by 0.14); label smoothing's count, written twice, was refused as two counts."""
     import copy
 
     from reference import dp_reference
@@ -406,8 +412,8 @@ def test_cross_entropys_default_mean_over_one_target_per_sample(schedule, batch,
     torch.manual_seed(0)
     model = M.MLP()
     x, y = torch.randn(6, 5) * 2, torch.randint(0, 3, (6,))
-    y[2] = -100  # ignore_index
-    per_sample = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
+    y[2] = -100  # ignore_index (kl_batchmean: a uniform target)
+    batch_loss, per_sample, counter = BATCH_MEANS[loss]
     _, norms = dp_reference(model, per_sample, (x,), (y,), max_grad_norm=1.0, expected_batch_size=7)
     C = float(norms[norms > 0].median())
     assert (norms > C).any() and ((norms < C) & (norms > 0)).any(), norms
@@ -416,8 +422,7 @@ def test_cross_entropys_default_mean_over_one_target_per_sample(schedule, batch,
     backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=7, schedule=schedule)
 
     def step(x, y):
-        out = m(x)
-        l = F.cross_entropy(out, y) if loss == "cross_entropy" else F.nll_loss(F.log_softmax(out, -1), y)
+        l = batch_loss(m(x), y)
         l.backward()
         return l.detach()
 
@@ -427,5 +432,5 @@ def test_cross_entropys_default_mean_over_one_target_per_sample(schedule, batch,
     for name, p in m.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda s: f"{name}: {s}")
     (record,) = [r for r in backend.compiled if r.dp]
-    assert record.counters["loss_mean_over_sample_count"] == 1, record.counters
+    assert record.counters[counter] == 1, record.counters
     assert record.summary["loss"]["reduction"] == "mean" and backend.dropped_samples() == 0

@@ -58,6 +58,9 @@ batch size cannot answer (``size_oblivious_reshape``: the -1 inferred in Python,
 The autograd formula of ``repeat`` asks whether each count is 1, which an unbacked count (a repeat over the
 batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backward does not ask).
 
+``F.logsigmoid``'s backward asks on CPU whether its saved buffer, of the batch's size, is empty
+(``size_oblivious_log_sigmoid_backward``: asked with ``guard_or_false``, exp(-|x|) recomputed where it cannot tell).
+
 A convolution of a channels-last input with an unbacked batch size: torch's stride check takes a size that
 may be 0 as "not channels-last", so fake and real outputs disagreed (``size_oblivious_channels_last``: an
 unbacked size taken as nonzero there); torch 2.11's fake ``convolution_backward`` lays its gradients out as
@@ -662,6 +665,41 @@ def size_oblivious_norm_batch_check() -> None:
         return _verify_batch_size
 
     _wrap_once(F, "_verify_batch_size", wrap)
+
+
+def size_oblivious_log_sigmoid_backward() -> None:
+    """``F.logsigmoid``'s backward (DPO's loss, ``F.multilabel_soft_margin_loss``) decomposes (torch 2.11 and
+    2.13) as ``z = buffer if buffer.numel() > 0 else exp(-|x|)``: on CPU the forward saves ``buffer = exp(-|x|)``,
+    of the input's size, so the question is about the batch size, which an unbacked one cannot answer
+    (GuardOnDataDependentSymNode ``4*u0 > 0``): a sharded step with ``compiler="eager"`` failed to compile on
+    CPU (CUDA, and Inductor's decomposition of the forward, save an empty buffer: nothing is asked). The same decomposition, the question asked with ``guard_or_false``: where it
+    cannot tell, it recomputes exp(-|x|), the values the CPU forward saved; a size known when tracing gets the
+    same answer as before. Replaced in torch's decomposition table and in Inductor's copy of it."""
+    import torch
+    from torch._decomp import decomposition_table
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    op = torch.ops.aten.log_sigmoid_backward.default
+    original = decomposition_table.get(op)
+    if original is None or getattr(original, "_dpcompile_guarded", False):
+        return
+
+    def log_sigmoid_backward(grad_output, self, buffer):
+        # an empty buffer makes the original recompute exp(-|x|): no question about the size
+        return original(grad_output, self, buffer if guard_or_false(buffer.numel() > 0) else buffer.new_empty(0))
+
+    log_sigmoid_backward._dpcompile_guarded = True
+    log_sigmoid_backward._dpcompile_original = original
+    tables = [decomposition_table]
+    try:
+        from torch._inductor import decomposition as inductor_decomposition
+
+        tables.append(inductor_decomposition.decompositions)
+    except ImportError:  # no Inductor: torch's table only
+        pass
+    for table in tables:
+        if table.get(op) is original:
+            table[op] = log_sigmoid_backward
 
 
 def integer_equalities_decided() -> None:

@@ -586,3 +586,33 @@ def test_one_hot_of_unbacked_targets_traces_whole_and_still_checks_their_range(d
         if n and device == "cpu":
             with pytest.raises(RuntimeError, match="num_classes|smaller"):
                 fn(x, torch.full_like(y, 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_log_sigmoid_of_an_unbacked_batch_compiles_with_eagers_gradient(device, backend):
+    """F.logsigmoid (a DPO-style loss) with an unbacked batch: torch's decomposition of its backward asks whether
+    the buffer the CPU forward saved, of the batch's size, is empty (aot_eager, as dp_fsdp's compiler="eager":
+    GuardOnDataDependentSymNode without size_oblivious_log_sigmoid_backward; Inductor's forward decomposition
+    saves an empty buffer, so it never asked). The value and the gradient are eager's for batches of 3, 1 and 0."""
+    import torch
+    import torch.nn.functional as F
+
+    from dpcompile.compat import size_oblivious_log_sigmoid_backward
+
+    size_oblivious_log_sigmoid_backward()
+    w = torch.nn.Parameter(torch.randn(4, 2, device=device))
+
+    def loss(x):
+        logits = x @ w
+        return -F.logsigmoid(logits[:, 0] - logits[:, 1]).sum()
+
+    for n in (3, 1, 0):
+        torch._dynamo.reset()
+        x = torch.randn(n, 4, device=device)
+        dpcompile.mark_batch(x)
+        got = torch.compile(loss, backend=backend, fullgraph=True)(x)
+        (g,) = torch.autograd.grad(got, [w])
+        want = loss(x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])

@@ -361,6 +361,53 @@ MODELS = {
     # RWKV's time mixing (a recurrence over the tokens; its init needs two layers)
     "rwkv": hf("RwkvConfig", "RwkvForCausalLM", "lm", hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
                intermediate_size=24, context_length=16),
+    # the forty-seventh session's additions (all passed there, one process, both schedules)
+    "phi3": hf("Phi3Config", "Phi3ForCausalLM", "lm", **BLOCK, num_key_value_heads=1, max_position_embeddings=16,
+               resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),  # fused qkv and gate-up projections
+    "gemma3": hf("Gemma3TextConfig", "Gemma3ForCausalLM", "lm", **BLOCK, num_key_value_heads=1, head_dim=8,
+                 max_position_embeddings=16, sliding_window=4),
+    "olmo": hf("OlmoConfig", "OlmoForCausalLM", "lm", **BLOCK, num_key_value_heads=1, max_position_embeddings=16),
+    "nemotron": hf("NemotronConfig", "NemotronForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
+                   max_position_embeddings=16, partial_rotary_factor=0.5),  # layer norm with a 1 + weight
+    "glm": hf("GlmConfig", "GlmForCausalLM", "lm", **BLOCK, num_key_value_heads=1, head_dim=8,
+              max_position_embeddings=16),
+    "modernbert": hf("ModernBertConfig", "ModernBertForSequenceClassification", "cls", **BLOCK,
+                     max_position_embeddings=16, global_attn_every_n_layers=1, local_attention=4),
+    "xlm_roberta": hf("XLMRobertaConfig", "XLMRobertaForSequenceClassification", "cls", max_position_embeddings=16,
+                      **BLOCK, **NO_DROP),
+    # BigBird's full attention; its classifier reads the first token, not the pooler (frozen)
+    "big_bird": (lambda: _frozen(hf("BigBirdConfig", "BigBirdForSequenceClassification", "cls",
+                                    max_position_embeddings=16, attention_type="original_full", **BLOCK,
+                                    **NO_DROP)[0](), "model.bert.pooler.weight", "model.bert.pooler.bias"),
+                 lambda: ((tokens(),), (labels(),)), class_ce),
+    "mbart": hf("MBartConfig", "MBartForConditionalGeneration", "seq2seq", d_model=16, encoder_layers=1,
+                decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                decoder_ffn_dim=24, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0),
+    "pegasus": hf("PegasusConfig", "PegasusForConditionalGeneration", "seq2seq", d_model=16, encoder_layers=1,
+                  decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                  decoder_ffn_dim=24, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0),
+    "mt5": hf("MT5Config", "MT5ForConditionalGeneration", "seq2seq", d_model=16, d_kv=8, d_ff=24, num_layers=1,
+              num_heads=2, dropout_rate=0.0, feed_forward_proj="gated-gelu", decoder_start_token_id=0),
+    "hf_beit": hf("BeitConfig", "BeitForImageClassification", "image", image_size=16, patch_size=4, **BLOCK,
+                  **NO_DROP),  # relative position bias tables indexed per head
+    "hf_deit": hf("DeiTConfig", "DeiTForImageClassification", "image", image_size=16, patch_size=4, **BLOCK,
+                  **NO_DROP),
+    "hf_vit_msn": hf("ViTMSNConfig", "ViTMSNForImageClassification", "image", image_size=16, patch_size=4, **BLOCK,
+                     **NO_DROP),
+    "hf_focalnet": hf("FocalNetConfig", "FocalNetForImageClassification", "image", image_size=16, patch_size=4,
+                      embed_dim=8, depths=[1, 1], focal_levels=[2, 2], focal_windows=[3, 3],
+                      hidden_dropout_prob=0.0, drop_path_rate=0.0),
+    "hf_convnextv2": hf("ConvNextV2Config", "ConvNextV2ForImageClassification", "image", image_size=16,
+                        hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, drop_path_rate=0.0),  # global response norm
+    # SigLIP's vision tower: its patch embedding a convolution with padding="valid" (traced as padding [0]); its
+    # attention-pooling head serves the image-text task, not the classifier (frozen)
+    "hf_siglip_vision": (lambda: _frozen(hf("SiglipConfig", "SiglipForImageClassification", "image", vision_config=dict(
+        image_size=16, patch_size=4, **BLOCK), text_config=BLOCK)[0](),
+        *[f"model.vision_model.head.{n}" for n in ("probe", "attention.in_proj_weight", "attention.in_proj_bias",
+                                                    "attention.out_proj.weight", "attention.out_proj.bias",
+                                                    "layernorm.weight", "layernorm.bias", "mlp.fc1.weight",
+                                                    "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")]),
+        hf("SiglipConfig", "", "image")[1], class_ce),
     "torch_encoder": (lambda: TorchEncoder(False), lambda: ((tokens(),), (labels(),)), class_ce),
     "torch_encoder_pre_norm": (lambda: TorchEncoder(True), lambda: ((tokens(),), (labels(),)), class_ce),
     "torch_transformer": (TorchTransformer, lambda: ((tokens(), tokens()), (tokens(),)), token_ce),

@@ -43,7 +43,8 @@ from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
 from dpcompile.compat import (conv_backward_layout_as_input, integer_equalities_decided,  # noqa: E402
                               size_oblivious_channels_last, size_oblivious_global_avg_pool,
-                              size_oblivious_log_sigmoid_backward, size_oblivious_nll_loss_nd,
+                              size_oblivious_log_sigmoid_backward, size_oblivious_logsumexp,
+                              size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check, size_oblivious_one_hot, size_oblivious_prob_cross_entropy,
                               size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
                               uniform_fold_skips_unbacked_guards)
@@ -149,6 +150,7 @@ size_oblivious_norm_batch_check()
 size_oblivious_repeat()
 size_oblivious_one_hot()
 size_oblivious_log_sigmoid_backward()
+size_oblivious_logsumexp()
 size_oblivious_prob_cross_entropy()
 size_oblivious_channels_last()
 conv_backward_layout_as_input()

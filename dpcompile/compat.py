@@ -61,6 +61,9 @@ batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backwar
 ``F.logsigmoid``'s backward asks on CPU whether its saved buffer, of the batch's size, is empty
 (``size_oblivious_log_sigmoid_backward``: asked with ``guard_or_false``, exp(-|x|) recomputed where it cannot tell).
 
+``torch.logsumexp`` asks whether its input is empty (``size_oblivious_logsumexp``: torch's formula without the
+question where no reduced dim is unbacked).
+
 A convolution of a channels-last input with an unbacked batch size: torch's stride check takes a size that
 may be 0 as "not channels-last", so fake and real outputs disagreed (``size_oblivious_channels_last``: an
 unbacked size taken as nonzero there); torch 2.11's fake ``convolution_backward`` lays its gradients out as
@@ -690,6 +693,47 @@ def size_oblivious_log_sigmoid_backward() -> None:
 
     log_sigmoid_backward._dpcompile_guarded = True
     log_sigmoid_backward._dpcompile_original = original
+    _replace_decomposition(op, original, log_sigmoid_backward)
+
+
+def size_oblivious_logsumexp() -> None:
+    """``torch.logsumexp`` (a z-loss, an MoE router's z-loss, contrastive and CRF losses) with an unbacked batch
+    size: torch's decomposition (``torch._refs.logsumexp``, torch 2.11 and 2.13), which fake tensors and Inductor
+    run, first asks whether the input is empty (``Eq(3*u0, 0)``), which an unbacked size cannot answer: dynamo
+    splits the step there. Its formula without the question, where no reduced dim has an unbacked size: a
+    reduction over the other dims is the same for an empty batch (an empty result, as torch's empty branch
+    gives). A reduction over an unbacked dim, and every call without one, is torch's own. Replaced in torch's
+    decomposition table and in Inductor's copy of it."""
+    import torch
+    from torch._decomp import decomposition_table
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.logsumexp.default
+    original = decomposition_table.get(op)
+    if original is None or getattr(original, "_dpcompile_guarded", False):
+        return
+
+    def logsumexp(self, dim, keepdim=False):
+        dims = [d % max(self.dim(), 1) for d in (dim if isinstance(dim, (list, tuple)) else (dim,))]
+        if not free_unbacked_symbols(self.shape) or not dims or \
+                any(free_unbacked_symbols(self.shape[d]) for d in dims) or self.is_complex():
+            return original(self, dim, keepdim)
+        if not self.is_floating_point():  # INT_TO_FLOAT, as torch's
+            self = self.to(torch.get_default_dtype())
+        maxes = torch.amax(self, dims, keepdim=True)
+        maxes = torch.masked_fill(maxes, maxes.abs() == float("inf"), 0)
+        maxes_squeezed = maxes if keepdim else torch.squeeze(maxes, dims)
+        return torch.sum(torch.exp(self - maxes), dims, keepdim).log().add(maxes_squeezed)
+
+    logsumexp._dpcompile_guarded = True
+    logsumexp._dpcompile_original = original
+    _replace_decomposition(op, original, logsumexp)
+
+
+def _replace_decomposition(op, original, new) -> None:
+    """op's decomposition ``original`` replaced by ``new`` in torch's table and in Inductor's copy of it."""
+    from torch._decomp import decomposition_table
+
     tables = [decomposition_table]
     try:
         from torch._inductor import decomposition as inductor_decomposition
@@ -699,7 +743,7 @@ def size_oblivious_log_sigmoid_backward() -> None:
         pass
     for table in tables:
         if table.get(op) is original:
-            table[op] = log_sigmoid_backward
+            table[op] = new
 
 
 def integer_equalities_decided() -> None:

@@ -616,3 +616,32 @@ def test_log_sigmoid_of_an_unbacked_batch_compiles_with_eagers_gradient(device, 
         want = loss(x)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_logsumexp_of_an_unbacked_batch_traces_whole_with_eagers_gradient(device, backend):
+    """torch.logsumexp over the classes (a z-loss) with an unbacked batch: torch's decomposition, which fake
+    tensors and Inductor run, asks whether the input is empty (Eq(3*u0, 0)) and dynamo broke the graph there
+    (fullgraph raises without size_oblivious_logsumexp). The value and the gradient are eager's for batches of
+    3, 1 and 0, over one dim and two, keepdim or not."""
+    import torch
+
+    from dpcompile.compat import size_oblivious_logsumexp
+
+    size_oblivious_logsumexp()
+    w = torch.nn.Parameter(torch.randn(4, 6, device=device))
+
+    def loss(x):
+        o = x @ w
+        return torch.logsumexp(o, -1).pow(2).sum() + torch.logsumexp(o.view(-1, 2, 3), (1, 2), keepdim=True).sum()
+
+    for n in (3, 1, 0):
+        torch._dynamo.reset()
+        x = torch.randn(n, 4, device=device)
+        dpcompile.mark_batch(x)
+        got = torch.compile(loss, backend=backend, fullgraph=True)(x)
+        (g,) = torch.autograd.grad(got, [w])
+        want = loss(x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])

@@ -675,9 +675,9 @@ def size_oblivious_log_sigmoid_backward() -> None:
     2.13) as ``z = buffer if buffer.numel() > 0 else exp(-|x|)``: on CPU the forward saves ``buffer = exp(-|x|)``,
     of the input's size, so the question is about the batch size, which an unbacked one cannot answer
     (GuardOnDataDependentSymNode ``4*u0 > 0``): a sharded step with ``compiler="eager"`` failed to compile on
-    CPU (CUDA, and Inductor's decomposition of the forward, save an empty buffer: nothing is asked). The same decomposition, the question asked with ``guard_or_false``: where it
-    cannot tell, it recomputes exp(-|x|), the values the CPU forward saved; a size known when tracing gets the
-    same answer as before. Replaced in torch's decomposition table and in Inductor's copy of it."""
+    CPU (CUDA, and Inductor's decomposition of the forward, save an empty buffer: nothing is asked). The same
+    decomposition, the question asked with ``guard_or_false``: where it cannot tell, it recomputes exp(-|x|),
+    the values the CPU forward saved; a size known when tracing gets the same answer as before."""
     import torch
     from torch._decomp import decomposition_table
     from torch.fx.experimental.symbolic_shapes import guard_or_false

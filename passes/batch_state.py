@@ -208,8 +208,8 @@ def sample_count_sum(node: Any) -> fx.Node | None:
 
 
 def count_key(count: fx.Node) -> tuple:
-    """What a count of samples (a cast of a sample_count_sum node) counts, the same for two counts of one test written
-    differently: F.cross_entropy with label smoothing divides its two terms by ``(target != ignore_index).sum()``
+    """What a count of samples (a cast of a sample_count_sum node) counts, the same for two counts of one test
+    written differently: F.cross_entropy with label smoothing divides its two terms by ``(target != ignore_index).sum()``
     and by ``(~(target == ignore_index)).sum()``, one count of the targets that are not ignored."""
     x, negated = (sample_count_sum(count) or count).args[0], False  # (the sum under its casts)
     while isinstance(x, fx.Node) and x.op == "call_function" and x.target in (aten.bitwise_not.default,

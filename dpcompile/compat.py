@@ -679,21 +679,16 @@ def size_oblivious_log_sigmoid_backward() -> None:
     decomposition, the question asked with ``guard_or_false``: where it cannot tell, it recomputes exp(-|x|),
     the values the CPU forward saved; a size known when tracing gets the same answer as before."""
     import torch
-    from torch._decomp import decomposition_table
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-    op = torch.ops.aten.log_sigmoid_backward.default
-    original = decomposition_table.get(op)
-    if original is None or getattr(original, "_dpcompile_guarded", False):
-        return
+    def wrap(original):
+        def log_sigmoid_backward(grad_output, self, buffer):
+            # an empty buffer makes the original recompute exp(-|x|): no question about the size
+            return original(grad_output, self,
+                            buffer if guard_or_false(buffer.numel() > 0) else buffer.new_empty(0))
+        return log_sigmoid_backward
 
-    def log_sigmoid_backward(grad_output, self, buffer):
-        # an empty buffer makes the original recompute exp(-|x|): no question about the size
-        return original(grad_output, self, buffer if guard_or_false(buffer.numel() > 0) else buffer.new_empty(0))
-
-    log_sigmoid_backward._dpcompile_guarded = True
-    log_sigmoid_backward._dpcompile_original = original
-    _replace_decomposition(op, original, log_sigmoid_backward)
+    _wrap_decomposition_once(torch.ops.aten.log_sigmoid_backward.default, wrap)
 
 
 def size_oblivious_logsumexp() -> None:
@@ -705,35 +700,36 @@ def size_oblivious_logsumexp() -> None:
     gives). A reduction over an unbacked dim, and every call without one, is torch's own. Replaced in torch's
     decomposition table and in Inductor's copy of it."""
     import torch
-    from torch._decomp import decomposition_table
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    op = torch.ops.aten.logsumexp.default
+    def wrap(original):
+        def logsumexp(self, dim, keepdim=False):
+            dims = [d % max(self.dim(), 1) for d in (dim if isinstance(dim, (list, tuple)) else (dim,))]
+            if not free_unbacked_symbols(self.shape) or not dims or \
+                    any(free_unbacked_symbols(self.shape[d]) for d in dims) or self.is_complex():
+                return original(self, dim, keepdim)
+            if not self.is_floating_point():  # INT_TO_FLOAT, as torch's
+                self = self.to(torch.get_default_dtype())
+            maxes = torch.amax(self, dims, keepdim=True)
+            maxes = torch.masked_fill(maxes, maxes.abs() == float("inf"), 0)
+            maxes_squeezed = maxes if keepdim else torch.squeeze(maxes, dims)
+            return torch.sum(torch.exp(self - maxes), dims, keepdim).log().add(maxes_squeezed)
+        return logsumexp
+
+    _wrap_decomposition_once(torch.ops.aten.logsumexp.default, wrap)
+
+
+def _wrap_decomposition_once(op, wrap) -> None:
+    """op's decomposition replaced by wrap(original), once, in torch's table and in Inductor's copy of it (the
+    decomposition tables' _wrap_once): nothing where torch has none or where it is dpcompile's wrapper already."""
+    from torch._decomp import decomposition_table
+
     original = decomposition_table.get(op)
     if original is None or getattr(original, "_dpcompile_guarded", False):
         return
-
-    def logsumexp(self, dim, keepdim=False):
-        dims = [d % max(self.dim(), 1) for d in (dim if isinstance(dim, (list, tuple)) else (dim,))]
-        if not free_unbacked_symbols(self.shape) or not dims or \
-                any(free_unbacked_symbols(self.shape[d]) for d in dims) or self.is_complex():
-            return original(self, dim, keepdim)
-        if not self.is_floating_point():  # INT_TO_FLOAT, as torch's
-            self = self.to(torch.get_default_dtype())
-        maxes = torch.amax(self, dims, keepdim=True)
-        maxes = torch.masked_fill(maxes, maxes.abs() == float("inf"), 0)
-        maxes_squeezed = maxes if keepdim else torch.squeeze(maxes, dims)
-        return torch.sum(torch.exp(self - maxes), dims, keepdim).log().add(maxes_squeezed)
-
-    logsumexp._dpcompile_guarded = True
-    logsumexp._dpcompile_original = original
-    _replace_decomposition(op, original, logsumexp)
-
-
-def _replace_decomposition(op, original, new) -> None:
-    """op's decomposition ``original`` replaced by ``new`` in torch's table and in Inductor's copy of it."""
-    from torch._decomp import decomposition_table
-
+    new = wrap(original)
+    new._dpcompile_guarded = True
+    new._dpcompile_original = original
     tables = [decomposition_table]
     try:
         from torch._inductor import decomposition as inductor_decomposition

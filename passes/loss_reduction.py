@@ -114,7 +114,6 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
                and ctx.compile_reason else ""),
         ))
     kinds = set()
-    over_batch_size = False  # a sum divided by the batch size seen (F.kl_div's "batchmean")
     if isinstance(st, Batched):  # B == 1 without an explicit reduction (e.g. per_sample.squeeze())
         kinds.add("sum")
     seen = set()
@@ -128,7 +127,6 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         s = ctx.states.get(n)
         if n in ctx.batch_size_means:  # sum / B: a mean, as .mean() is
             kinds.add("mean")
-            over_batch_size = True
             continue
         if isinstance(s, Reduced) and s.origin is n:
             packet = getattr(n.target, "overloadpacket", None)
@@ -172,7 +170,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
         ctx.summary["loss"]["count"] = ("a sum of per-sample losses over a count of samples (F.cross_entropy's "
                                         "default mean: the targets that are not ignore_index), taken as a mean")
         ctx.counters["loss_mean_over_sample_count"] += 1
-    if over_batch_size:
+    if ctx.batch_size_means & seen:  # a sum over the batch size (F.kl_div's "batchmean") on the loss's way
         ctx.summary["loss"]["count"] = ("a sum of per-sample losses over the batch size (F.kl_div's "
                                         "reduction='batchmean'), taken as a mean")
         ctx.counters["loss_mean_over_batch_size"] += 1

@@ -24,8 +24,8 @@ from dpcompile.batching import batch_sizes, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
-from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, guard_empty_y_grid,
-                              hf_expand_position_ids, hint_fusion_scores, hint_kernel_size_hints, hint_mix_order_split,
+from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, decompositions_for_one_sample,
+                              guard_empty_y_grid, hf_expand_position_ids, hint_fusion_scores, hint_kernel_size_hints, hint_mix_order_split,
                               reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
@@ -36,7 +36,7 @@ from dpcompile.embedding_bag import embedding_bags_as_embeddings
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
 from dpcompile.eager_guard import in_non_private, refuse_recompile_limit_fallback, sentinel
-from dpcompile.fx_utils import clean_module_path
+from dpcompile.fx_utils import clean_module_path, known
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import BACKWARD_PASSES, PASSES, DPPassContext, ParamInfo, PassOptions
 from dpcompile.passes.cleanup import finalize
@@ -668,7 +668,8 @@ class DPBackend:
         return {"triton.cudagraphs": self.config.cudagraphs, **cpp}
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
-                    tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool, codegen: dict) -> Callable:
+                    tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool, codegen: dict,
+                    one_sample: bool) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         def not_donated(n: int) -> None:
@@ -704,7 +705,7 @@ class DPBackend:
                 # coefficients are needed, stands
                 **({"reorder_for_peak_memory": False} if tp is not None else {}),
                 **codegen,
-            }, **inner)
+            }, decompositions=decompositions_for_one_sample() if one_sample else None, **inner)
 
     def _compile(self, gm: fx.GraphModule, example_inputs) -> Callable:
         from torch._guards import CompileContext
@@ -756,6 +757,7 @@ class DPBackend:
         counter = self._dropped_counter(device)
         gate_on, gate_off = (torch.tensor(v, device=device) for v in (1.0, 0.0))
         unbacked = any(is_unbacked(size) for size, *_ in batch_sizes(gm, inputs))  # one graph, every batch size
+        one_sample = not unbacked and any(known(size == 1) for size, *_ in batch_sizes(gm, inputs))
         record.counters[BILINEAR_COUNTER] = bilinear_as_matmul(gm)  # nn.Bilinear as ops with rules
         record.counters[EMBEDDING_BAG_COUNTER] = embedding_bags_as_embeddings(gm)  # ... nn.EmbeddingBag too
         gm = _with_extra_inputs(gm, [(SEEDS_INPUT_NAME, seeds_example), (_DROPPED_INPUT_NAME, counter),
@@ -768,7 +770,7 @@ class DPBackend:
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
         compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner,
-                                    unbacked, codegen)
+                                    unbacked, codegen, one_sample)
         if key is not None:
             record.cache = "miss" if part.called else "hit"
             found = part.called or load_record(key, record)
@@ -778,7 +780,7 @@ class DPBackend:
                 # tensor-parallel step's noise streams are in the record; every step's summary, counters and
                 # graphs are what users and dumps read.
                 compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, False, inner,
-                                            unbacked, codegen)
+                                            unbacked, codegen, one_sample)
                 record.cache = "miss"
             if part.called:  # for a later process that this compile's cache entry serves
                 save_record(key, record)

@@ -978,3 +978,18 @@ def rng_states_before_saved_objects(fw, bw, num_fwd_outputs: int) -> int:
     fw.recompile()
     bw.recompile()
     return len(states)
+
+
+def decompositions_for_one_sample() -> dict:
+    """Inductor's decompositions less its matmul ones (``aten.mm``, ``addmm``, ``bmm``), for a step compiled at
+    a static batch of one. On CPU those turn a contraction with one row, the sample's (``[1, d] @ [d, n]``,
+    n <= 16: a small classification or regression head), into a broadcast product and a sum (torch 2.11 and
+    2.13), which spreads the size-one sample dim over the output's: the analysis then cannot tell where the
+    sample is, nor whether the loss is a mean or a sum over samples (a ``.mean()`` was taken as a sum, k = 1
+    where it is 1 / expected_batch_size). Inductor lowers the matmuls it keeps itself."""
+    import torch
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    drop = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    return {op: fn for op, fn in select_decomp_table().items() if op not in drop}

@@ -30,8 +30,9 @@ from dpcompile.errors import DPCompileError, DPValueError, SamplesMixedError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
-from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, SINGLE, Batched, Contribution, Mixed, Reduced,
-                          is_masking, is_zero_constant, loss_not_per_sample, sample_count_sum)
+from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, SINGLE,
+                          SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant,
+                          loss_not_per_sample, sample_count_sum)
 from .context import DPPassContext
 from .rules import RULES, pointwise
 
@@ -280,9 +281,13 @@ class BatchDimAnalysis:
             # norm (per_sample_norms.weight_norm_backward)
             return (Reduced(r.origin), Reduced(r.origin))
         if t in _LINEAR_ON_REDUCED or getattr(t, "overloadpacket", None) in _VIEWLIKE_PACKETS:
-            if t in (aten.div.Tensor, aten.div.Scalar) and self._batch_size_mean(node):
-                self.ctx.batch_size_means.add(node)
-                return Reduced(r.origin)
+            if t in (aten.div.Tensor, aten.div.Scalar):
+                mean = self._batch_size_mean(node)
+                if mean is AMBIGUOUS_AT_ONE:
+                    return Mixed(node, SUM_OVER_NUMEL_AT_ONE)
+                if mean:
+                    self.ctx.batch_size_means.add(node)
+                    return Reduced(r.origin)
             if t in (aten.mul.Tensor, aten.div.Tensor):
                 # linear only if the other factor does not depend on the samples
                 if t is aten.div.Tensor and isinstance(self.states.get(node.args[1]), Reduced):
@@ -301,22 +306,32 @@ class BatchDimAnalysis:
             return Reduced(r.origin)
         return Mixed(node, f"{op_name(node)} of a sum over the samples")
 
-    def _batch_size_mean(self, node: fx.Node) -> bool:
+    def _batch_size_mean(self, node: fx.Node):
         """``node`` divides a sum over the samples by the batch size (F.kl_div's reduction="batchmean", a
-        hand-written ``loss.sum() / x.shape[0]``): the mean of per-sample losses that ``.mean()`` is, which the
-        loss pass takes as one. Taken as a constant factor of each sample's loss instead, the DP gradient would
-        be the sum of clip(g_i / B) over the samples: under Poisson sampling B is the number of samples drawn,
-        so one sample more or less would change every other sample's clipped share, and the sensitivity would
-        exceed max_grad_norm. A static batch size is a number in the graph, a dynamic one a size symbol: both
-        are compared with the analysis' batch size."""
+        hand-written ``loss.sum() / x.shape[0]``) or by the number of elements summed, B times a per-sample
+        count (``loss.sum() / loss.numel()`` of a ``[B, T]`` loss): the mean of per-sample losses that
+        ``.mean()`` is, which the loss pass takes as one. Taken as a constant factor of each sample's loss
+        instead, the DP gradient would be the sum of clip(g_i / B) over the samples: under Poisson sampling
+        B is the number of samples drawn, so one sample more or less would change every other sample's
+        clipped share, and the sensitivity would exceed max_grad_norm. A static batch size is a number in
+        the graph, a dynamic one a size symbol: both are compared exactly. At a static batch of one the
+        number of elements summed is the per-sample count, so ``sum / numel`` and a sum of per-sample means
+        (``sum / T``) are one graph: AMBIGUOUS_AT_ONE, refused (the graphs for other batch sizes would
+        take the two apart, and mixing the readings across steps is the sensitivity problem above)."""
         num = self.states.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         if not (isinstance(num, Reduced) and num.origin is node.args[0]
                 and getattr(num.origin.target, "overloadpacket", None) is aten.sum):
             return False
         d = node.args[1]
         d = d.meta.get("val") if isinstance(d, fx.Node) else d
-        return isinstance(d, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(d, bool) \
-            and known(d == self.B)
+        if not isinstance(d, (int, float, torch.SymInt, torch.SymFloat)) or isinstance(d, bool):
+            return False
+        if known(d == self.B):
+            return True
+        summed = num.origin.args[0].meta.get("val") if isinstance(num.origin.args[0], fx.Node) else None
+        if not (isinstance(summed, torch.Tensor) and known(d == summed.numel())):
+            return False
+        return AMBIGUOUS_AT_ONE if known(self.B == 1) else True
 
     def _sample_count_mean(self, node: fx.Node) -> bool:
         """``node`` divides a sum of one value per sample by a count of samples (F.cross_entropy's and

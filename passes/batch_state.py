@@ -190,6 +190,9 @@ PER_SAMPLE_LOSS_HELP = (
 
 
 RATIO_OF_SUMS = "a ratio of two sums over the samples"
+# BatchDimAnalysis._batch_size_mean at a static batch of one: sum / numel and sum / T are one graph
+AMBIGUOUS_AT_ONE = object()
+SUM_OVER_NUMEL_AT_ONE = "a sum over all elements of a batch of one divided by their number"
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
 
@@ -221,6 +224,14 @@ def count_key(count: fx.Node) -> tuple:
 
 
 def loss_not_per_sample(origin: fx.Node, why: str) -> SamplesMixedError:
+    if why == SUM_OVER_NUMEL_AT_ONE:
+        return SamplesMixedError(
+            f"dp_fsdp: op {op_name(origin)} in module {module_of(origin)} computes {why}: compiled for one "
+            "sample, loss.sum() / loss.numel() (a mean over the batch) and loss.sum() / T (a sum of per-sample "
+            "means) are the same graph, and graphs for other batch sizes tell them apart."
+            + (f"\n  at: {source_line(origin)}" if source_line(origin) else "")
+            + "\n  What to do: use loss.mean() (or divide by the batch size, loss.sum() / B), or call "
+            "dpcompile.mark_batch(...) on the step's inputs to compile one graph for every batch size.")
     example = ("F.cross_entropy and F.nll_loss with their default reduction='mean' divide by the number of "
                "targets that are not ignore_index, a count taken across samples; pass reduction='none'"
                if why == RATIO_OF_SUMS else

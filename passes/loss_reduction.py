@@ -7,12 +7,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.errors import DPCompileError, DPValueError
-from dpcompile.fx_utils import known
+from dpcompile.errors import DPCompileError, DPValueError, SamplesMixedError
+from dpcompile.fx_utils import known, module_of, op_name
 from dpcompile.step_split import split_error_text
 
-from .batch_state import (FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, count_key, loss_not_per_sample,
-                          sample_count_sum)
+from .batch_state import (FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, count_key,
+                          loss_not_per_sample, sample_count_sum)
 from .context import DPPassContext
 
 aten = torch.ops.aten
@@ -79,6 +79,47 @@ def _output_seeded_by(tangent: fx.Node, fwd_outs: list, graph: fx.Graph) -> fx.N
     return grads[k]
 
 
+def _one_sample_reduction(loss: fx.Node, states: dict) -> str:
+    """Whether a loss found per-sample at a static batch of one (Batched: no reduction over a known sample dim on
+    its way) is a mean or a sum over the batch. Where the analysis lost the sample dim (SINGLE: a layout that
+    broadcasts or moves a size-one dim), the sample dim went in one of the sums or means of SINGLE values on
+    the loss's way: all means, a mean; all sums (or none: per_sample.squeeze()), a sum. Both, or a sum over its
+    number of elements (``sum / numel`` and ``sum / T`` are one graph here), could be either: refused, as the
+    reading would differ from the graphs compiled for other batch sizes (mixing the two across a Poisson-
+    sampled run's steps scales some steps' clipped sums by the batch size)."""
+    linear = {aten.sum: "sum", aten.mean: "mean"}
+
+    def single(a: Any) -> bool:
+        s = states.get(a)
+        return isinstance(s, Batched) and s.dim is None
+
+    found, seen, stack = {}, set(), [loss]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node) or not isinstance(states.get(n), Batched):
+            continue
+        seen.add(n)
+        ins = n.all_input_nodes
+        kind = linear.get(getattr(n.target, "overloadpacket", None))
+        if kind is not None and ins and single(ins[0]):
+            found.setdefault(kind, n)
+        if n.target in (aten.div.Tensor, aten.div.Scalar) and isinstance(n.args[0], fx.Node) and \
+                getattr(n.args[0].target, "overloadpacket", None) is aten.sum and \
+                single(n.args[0].args[0]) and not isinstance(n.args[1], fx.Node) and \
+                n.args[1] != 1 and n.args[1] == n.args[0].args[0].meta["val"].numel():
+            found["sum / numel"] = n
+        stack.extend(ins)
+    if len(found) > 1:
+        ops = ", ".join(f"{k} ({op_name(n)} in module {module_of(n)})" for k, n in sorted(found.items()))
+        raise SamplesMixedError(
+            f"dp_fsdp: at a static batch of one the analysis lost the sample dim on the loss's way, and the loss "
+            f"reduces it with {ops}: it cannot tell whether the loss is a mean or a sum over the samples."
+            "\n  What to do: call dpcompile.mark_batch(<the step's batched inputs>) before the call, which compiles "
+            "one graph for every batch size with the sample dim known; or reduce per-sample losses of shape [B] "
+            "with one .mean() or .sum().")
+    return "mean" if "mean" in found else "sum"
+
+
 def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     """Identifies the loss output and whether it is a mean or a sum over samples."""
     graph = gm.graph
@@ -114,8 +155,8 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
                and ctx.compile_reason else ""),
         ))
     kinds = set()
-    if isinstance(st, Batched):  # B == 1 without an explicit reduction (e.g. per_sample.squeeze())
-        kinds.add("sum")
+    if isinstance(st, Batched):  # B == 1: the sample dim was reduced without being known
+        kinds.add(_one_sample_reduction(loss, ctx.states))
     seen = set()
     counts = set()  # counts of samples the loss divides its sum by (F.cross_entropy's default mean)
     stack = [loss]

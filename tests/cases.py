@@ -246,6 +246,11 @@ def _soft_targets(logits, y):
     return torch.where(y[:, None] == classes, 0.8, 0.2 / (logits.shape[-1] - 1)).to(logits.dtype)
 
 
+def _soft_ce(logits, y):
+    """Each class's term of the cross-entropy with _soft_targets, [B, classes]."""
+    return -F.log_softmax(logits, -1) * _soft_targets(logits, y)
+
+
 # Whole-batch losses as users write them that are means of per-sample losses: name -> (the step's loss, the
 # oracle's per-sample loss, the counter the loss pass shows). Cross-entropy's default mean divides by the count
 # of targets that are not ignore_index (label smoothing divides its two terms by that count, computed twice);
@@ -262,6 +267,9 @@ BATCH_MEANS = {
     "kl_batchmean": (lambda out, y: F.kl_div(F.log_softmax(out, -1), _soft_targets(out, y), reduction="batchmean"),
                      lambda out, y: F.kl_div(F.log_softmax(out, -1), _soft_targets(out, y),
                                              reduction="none").sum(-1), "loss_mean_over_batch_size"),
+    # a sum over all B * classes elements divided by their number: .mean() written by hand
+    "sum_over_numel": (lambda out, y: _soft_ce(out, y).sum() / out.numel(), lambda out, y: _soft_ce(out, y).mean(-1),
+                       "loss_mean_over_batch_size"),
 }
 
 

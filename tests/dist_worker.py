@@ -431,7 +431,8 @@ def noise(rank, world, init_file, out_dir, seed):
 
 def cross_entropy_mean(rank, world, init_file, out_dir):
     """Whole-batch means of per-sample losses (cases.BATCH_MEANS: F.cross_entropy's default mean over the
-    targets that are not ignore_index, with label smoothing too, and F.kl_div's "batchmean"), sharded: per-rank
+    targets that are not ignore_index, with label smoothing too, F.kl_div's "batchmean" and a hand-written
+    sum / numel), sharded: per-rank
     batches SHARDED_STEPS with an ignored target in each batch of three or more, both schedules; every rank's
     gathered gradient against the oracle of the per-sample losses (reduction="none")."""
     import json
@@ -444,7 +445,8 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
     for loss, schedule, form, compiler in (("cross_entropy", "bk", "compile", "inductor"),
                                            ("cross_entropy", "ghost", "private_step", "inductor"),
                                            ("label_smoothing", "ghost", "compile", "eager"),
-                                           ("kl_batchmean", "bk", "private_step", "eager")):
+                                           ("kl_batchmean", "bk", "private_step", "eager"),
+                                           ("sum_over_numel", "ghost", "compile", "eager")):
         batch_loss, per_sample, _ = cases.BATCH_MEANS[loss]
         torch._dynamo.reset()
         torch.manual_seed(0)

@@ -66,6 +66,48 @@ def test_batch_of_one(case, schedule):
         assert record.counters["one_sample_backward_fallbacks"] > 0, record.counters
 
 
+class _Squeezed(torch.nn.Module):
+    """A model that squeezes its input: at a batch of one the sample dim goes (x.squeeze() of [1, 5] is [5])."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x.squeeze())
+
+
+# (model, per-sample loss of the outputs, reduction over the batch): the per-sample loss mean(-1) or sum(-1)
+_ONE_SAMPLE = {"head": lambda: torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)),
+               "squeezed": _Squeezed}
+
+
+@pytest.mark.parametrize("model,per_sample,reduction,compiler", [
+    ("head", "mean", "mean", "inductor"), ("head", "sum", "sum", "eager"), ("head", "sum", "mean", "eager"),
+    ("squeezed", "mean", "mean", "eager"), ("squeezed", "sum", "sum", "eager"), ("squeezed", "sum", "mean", "eager")])
+def test_a_static_batch_of_one_keeps_the_losss_reduction(model, per_sample, reduction, compiler):
+    """At a static batch of one a mean over the batch is a mean (the DP gradient divided by expected_batch_size)
+    and a sum a sum, as at any other batch size: exact against the oracle with expected_batch_size 2. Inductor's
+    decomposition of a one-row matmul on CPU ([1, 8] @ [8, 3]: a broadcast product and a sum) spread the sample
+    dim over the outputs, and the loss's mean was taken as a sum (k = 1: twice the oracle here); dpcompile now
+    keeps the matmul at a batch of one. Where the model itself loses the sample dim (x.squeeze()), the loss's
+    reductions decide: means alone a mean, sums alone a sum, a sum then a mean (the sample dim in either) is
+    refused, saying how to compile with the sample dim known."""
+    torch.manual_seed(0)
+    # no targets: a per-sample target would carry the sample dim back into the loss
+    loss = (lambda out: out.pow(2).mean(-1)) if per_sample == "mean" else (lambda out: out.pow(2).sum(-1))
+    inputs, targets = (torch.randn(1, 5),), ()
+    if model == "squeezed" and per_sample != reduction:
+        with pytest.raises(dpcompile.errors.SamplesMixedError, match="dpcompile.mark_batch"):
+            check_against_reference(_ONE_SAMPLE[model](), loss, inputs, targets, schedule="bk", reduction=reduction,
+                                    compiler=compiler)
+        return
+    backend = check_against_reference(_ONE_SAMPLE[model](), loss, inputs, targets, schedule="bk",
+                                      reduction=reduction, compiler=compiler)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.summary["loss"]["reduction"] == reduction, record.summary["loss"]
+
+
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 def test_sequence_first_rows_with_an_unbacked_batch(schedule):
     """Weights applied by einsum, the second to sequence-first rows ([T, B, ...]: samples inside the rows), with
@@ -396,15 +438,18 @@ def test_weight_normalised_as_a_whole(schedule):
                                                  ("ghost", "static", "nll_loss"), ("bk", "unbacked", "nll_loss"),
                                                  ("bk", "static", "label_smoothing"),
                                                  ("ghost", "unbacked", "label_smoothing"),
-                                                 ("ghost", "static", "kl_batchmean"), ("bk", "unbacked", "kl_batchmean")])
+                                                 ("ghost", "static", "kl_batchmean"), ("bk", "unbacked", "kl_batchmean"),
+                                                 ("bk", "static", "sum_over_numel"),
+                                                 ("ghost", "unbacked", "sum_over_numel")])
 def test_whole_batch_means_of_per_sample_losses(schedule, batch, loss):
     """Losses written over the whole batch that are means of per-sample losses (tests/cases.BATCH_MEANS):
     F.cross_entropy (label smoothing too) and F.nll_loss with their default mean, a sum of per-sample losses over
     the count of targets that are not ignore_index, one per sample; F.kl_div's "batchmean", a sum over the batch
-    size. The DP gradient divides by expected_batch_size, as for .mean(): exact against the oracle of the
+    size; a sum over all elements of [B, classes] over their number (.mean() by hand). The DP gradient divides by expected_batch_size, as for .mean(): exact against the oracle of the
     per-sample losses (reduction="none"), an ignored target's sample contributing nothing and not counted as
     dropped. Taken as a sum of per-sample losses each over the batch size instead (before), "batchmean" clipped
-    g_i / B (fc1.weight off by 0.14); label smoothing's count, written twice, was refused as two counts."""
+    g_i / B (fc1.weight off by 0.14), and sum / numel g_i / (B * classes); label smoothing's count, written twice,
+    was refused as two counts."""
     import copy
 
     from reference import dp_reference

@@ -162,6 +162,30 @@ def test_samples_mixed_at_a_batch_of_one_says_how_to_know_the_sample_dim():
     assert not isinstance(err, SamplesMixedError) and "static batch of one" not in str(err), err
 
 
+@pytest.mark.parametrize("divisor", ["numel", "classes"])
+def test_a_sum_over_its_number_of_elements_is_refused_at_a_static_batch_of_one(divisor):
+    """At a batch of one, loss.sum() / loss.numel() (a mean over the batch: cases.BATCH_MEANS "sum_over_numel")
+    and loss.sum() / classes (a sum of per-sample means) are one graph; taking either reading would mix the
+    two across the graphs a Poisson-sampled run compiles for each size. Refused there, saying what to do;
+    at larger batches both run, as a mean and as a sum, and .mean() or a sum over the batch size runs at one."""
+    def loss_of(m, x):
+        per_class = m(x).pow(2)
+        return per_class.sum() / (per_class.numel() if divisor == "numel" else per_class.shape[1])
+
+    err = expect_refusal(lambda: run(nn.Linear(5, 4), loss_of, (torch.randn(1, 5),)),
+                         "a batch of one divided by their number", "loss.mean()", "dpcompile.mark_batch")
+    assert isinstance(err, SamplesMixedError), type(err)
+    for batch, loss, reduction in ((3, loss_of, "mean" if divisor == "numel" else "sum"),
+                                   (1, lambda m, x: m(x).pow(2).mean(), "mean"),
+                                   (1, lambda m, x: m(x).pow(2).sum() / x.shape[0], "mean")):
+        torch._dynamo.reset()
+        backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+        model = nn.Linear(5, 4)  # 4 classes: not the batch size
+        torch.compile(lambda x: loss(model, x).backward(), backend=backend)(torch.randn(batch, 5))
+        (record,) = [r for r in backend.compiled if r.dp]
+        assert record.summary["loss"]["reduction"] == reduction, (batch, record.summary)
+
+
 @pytest.mark.parametrize("order", ["flipped", "shifted"])
 def test_indexing_the_sample_dim_out_of_order_is_refused(order):
     """x[arange(B), j] is per sample (tests/cases.py sample_indexed); the batch positions in any other order

@@ -49,11 +49,14 @@ from dpcompile.compat import (conv_backward_layout_as_input, integer_equalities_
                               size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
                               uniform_fold_skips_unbacked_guards)
 from dpcompile.config import DPConfig  # noqa: E402
+from dpcompile.ctc_loss import trace_ctc_loss_as_one_op  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.eager_guard import RECOMPILE_LIMIT, non_private  # noqa: E402
 from dpcompile.errors import DPCompileError  # noqa: E402
 from dpcompile.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from dpcompile.sampling import PoissonBatchSampler  # noqa: E402
+
+trace_ctc_loss_as_one_op()  # F.ctc_loss in a traced step: before dynamo traces one (dpcompile/ctc_loss.py)
 
 __all__ = [
     "DPBackend", "DPCompileError", "MixedPrecisionPolicy", "fully_shard", "DPConfig", "CompiledStep", "dump_graphs",

@@ -273,6 +273,40 @@ BATCH_MEANS = {
 }
 
 
+
+# F.ctc_loss (dpcompile/ctc_loss.py): M.MLP(d_out=CTC_CLASSES) on [B, T, 5] inputs gives each step's scores, blank 0
+CTC_STEPS, CTC_TARGET, CTC_CLASSES = 6, 3, 4
+
+
+def ctc_data(B: int, seed: int = 0) -> tuple:
+    """(inputs [B, T, 5], targets padded to [B, S], input lengths, target lengths): sample 1 has no targets and
+    sample 2's three targets cannot be aligned in its two steps (an infinite loss: 0 with zero_infinity, else
+    its gradient is NaN and the sample dropped)."""
+    g = torch.Generator().manual_seed(seed * 100 + B)
+    x = torch.randn(B, CTC_STEPS, 5, generator=g) * 2
+    y = torch.randint(1, CTC_CLASSES, (B, CTC_TARGET), generator=g)
+    target_lengths = torch.randint(1, CTC_TARGET + 1, (B,), generator=g)
+    input_lengths = torch.randint(CTC_TARGET + 1, CTC_STEPS + 1, (B,), generator=g)
+    if B > 1:
+        target_lengths[1] = 0
+    if B > 2:
+        input_lengths[2], target_lengths[2] = 2, CTC_TARGET
+    return x, y, input_lengths, target_lengths
+
+
+def ctc_loss(reduction: str, zero_infinity: bool, per_sample: bool = False) -> Callable:
+    """(scores [B, T, C], targets, input lengths, target lengths) -> F.ctc_loss over the scores' log-softmax (time
+    first); per_sample: the oracle's per-sample losses of that reduction (a mean divides each by its target
+    length, at least 1, as F.ctc_loss's does)."""
+    def loss(out, y, input_lengths, target_lengths):
+        log_probs = out.log_softmax(-1).transpose(0, 1)
+        if not per_sample:
+            return F.ctc_loss(log_probs, y, input_lengths, target_lengths, reduction=reduction,
+                              zero_infinity=zero_infinity)
+        each = F.ctc_loss(log_probs, y, input_lengths, target_lengths, reduction="none", zero_infinity=zero_infinity)
+        return each / target_lengths.clamp_min(1) if reduction == "mean" else each
+    return loss
+
 def with_bad_samples(case: Case, bad_input=1, bad_weight=2) -> Case:
     """The case with one more input, a per-sample loss weight, and two bad samples in every batch large
     enough: sample ``bad_input``'s float inputs hold NaN (so do its activations) and sample ``bad_weight``'s

@@ -494,6 +494,55 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
     _finish()
 
 
+def ctc_loss_sharded(rank, world, init_file, out_dir):
+    """F.ctc_loss (torch's mean, zero_infinity) sharded: per-rank batches SHARDED_STEPS of cases.ctc_data (a sample
+    without targets and one whose targets do not fit in each batch of three or more), ghost op by op; every
+    rank's gathered gradient against the oracle of the per-sample losses."""
+    import json
+    import traceback
+
+    mesh = _init(rank, world, init_file)
+    torch.manual_seed(0)
+    batches = [cases.ctc_data(sum(sizes), seed=i) for i, sizes in enumerate(SHARDED_STEPS)]
+    model = M.MLP(d_out=cases.CTC_CLASSES)
+    ref_model = copy.deepcopy(model)
+    per_sample = cases.ctc_loss("mean", True, per_sample=True)
+    every = [torch.cat(t) for t in zip(*batches)]
+    _, norms = dp_reference(ref_model, per_sample, every[:1], every[1:], max_grad_norm=1.0, expected_batch_size=9,
+                            loop=True)
+    C = float(norms[norms > 0].median())
+    shard_like_a_user(model, mesh)
+    batch_loss = cases.ctc_loss("mean", True)
+
+    @dpcompile.private_step(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule="ghost",
+                            compiler="eager")
+    def step(*batch):
+        out = batch_loss(model(batch[0]), *batch[1:])
+        out.backward()
+        return out.detach()
+
+    result = {"error": None}
+    try:
+        for sizes, batch in zip(SHARDED_STEPS, batches):
+            lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+            model.zero_grad(set_to_none=True)
+            step(*(t[lo:hi].clone() for t in batch))
+            ref = dp_reference(ref_model, per_sample, batch[:1], batch[1:], max_grad_norm=C, expected_batch_size=9,
+                               loop=True)[0] if sum(sizes) else None
+            for name, p in model.named_parameters():
+                full = p.grad.full_tensor().double()
+                want = ref[name] if ref is not None else torch.zeros_like(full)
+                torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-7 + 1e-5 * float(want.abs().max()),
+                                           msg=lambda m: f"{sizes} {name}: {m}")
+        (record,) = [r for r in step.dp_backend.compiled if r.dp]
+        result["reduction"] = record.summary["loss"]["reduction"]
+        result["ops"] = sorted(record.summary["graph_ops"]["forward"])
+    except Exception:  # noqa: BLE001 - reported to the test
+        result["error"] = traceback.format_exc()[-3000:]
+    with open(os.path.join(out_dir, f"ctc{rank}.json"), "w") as f:
+        json.dump(result, f)
+    _finish()
+
 def bad_inputs(rank, world, init_file, out_dir):
     """Partly sharded models and mixed meshes are refused with a clear error."""
     import json

@@ -499,12 +499,13 @@ def _attention_step(schedule, batches=(3, 1)):
         assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
 
 
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+@pytest.mark.parametrize("schedule", ["ghost"])
 def test_multihead_attention_with_an_unbacked_batch(schedule, monkeypatch, inductor_caches_off):
     """Inductor's reshape indexing of MultiheadAttention's head split asserted that the unbacked batch is 1
     (torch 2.13, stock torch.compile too): the step failed at its first call. With
     reshape_indexer_refuses_unbacked_guesses the view is indexed for every batch size and the step is exact.
-    Where the fix applies (torch 2.13), the step without it fails."""
+    Where the fix applies (torch 2.13), the step without it fails. One schedule (CI time): the view is the
+    forward's, the same in both."""
     import torch
     from torch._inductor.ir import View
 

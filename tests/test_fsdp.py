@@ -91,6 +91,7 @@ RANKS = SharedRanks("ranks", {
                                              compiler="eager")),
     "unmarked": (1, "unmarked_batch", {}),
     "cross_entropy_mean": (1, "cross_entropy_mean", {}),
+    "ctc_loss": (1, "ctc_loss_sharded", {}),
     "input_gram": (1, "every_case", dict(runs=[("vision_blocks", "bk", "private_step+eager+input_gram"),
                                                ("vision_blocks", "ghost", "compile+input_gram")])),
 })
@@ -238,6 +239,15 @@ def test_whole_batch_means_sharded(shared_ranks):
             assert r["error"] is None, f"rank {rank} {run}:\n{r['error']}"
             counter = BATCH_MEANS[run.split("-")[0]][2]
             assert r["counters"][counter] == 1, r["counters"]
+
+
+@_ranks("ctc_loss")
+def test_ctc_loss_sharded(shared_ranks):
+    """F.ctc_loss on 2 ranks (per-rank batches of 0, 1, 3, 4, 5; a sample without targets and one whose targets
+    do not fit), traced as one op per sample: exact against the oracle on every rank, a mean over the batch."""
+    for rank, r in enumerate(_read(shared_ranks(RANKS, "ctc_loss"), prefix="ctc")):
+        assert r["error"] is None, f"rank {rank}:\n{r['error']}"
+        assert r["reduction"] == "mean" and "dpcompile.ctc_loss.default" in r["ops"], r
 
 
 @_ranks("noise")

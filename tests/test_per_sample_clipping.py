@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 import dpcompile
 
+import cases
 import models as M
 from cases import BATCH_MEANS, CASES, bad_samples, check_case_invariants, ids as _ids, with_bad_samples
 from helpers import check_against_reference
@@ -49,9 +50,11 @@ def test_exact_with_inductors_collective_reordering(case, schedule):
     check_case_invariants(case, record.counters, record.summary)
 
 
-# at a batch of one the gradient is clipped whole whatever the schedule: one schedule per case, alternating
-@pytest.mark.parametrize("case,schedule", [(case, ("bk", "ghost")[i % 2]) for i, case in enumerate(sorted(CASES))])
-def test_batch_of_one(case, schedule):
+# at a batch of one the gradient is clipped whole whatever the schedule: one schedule per case, alternating, and
+# every other case through Inductor's code, the others op by op (CI time: the batch of one is dpcompile's rewrite)
+@pytest.mark.parametrize("case,schedule,compiler", [(case, ("bk", "ghost")[i % 2], ("inductor", "eager")[i // 2 % 2])
+                                                    for i, case in enumerate(sorted(CASES))])
+def test_batch_of_one(case, schedule, compiler):
     """A static batch of one (one process: a Poisson-sampled step of one sample) is clipped whole, every case.
     Dims of size one are ambiguous there: torch.einsum moves the size-one sample dim where a contraction reads
     it (einsum_weights and per_head_weights were refused as mixing samples, and a transposed weight gradient
@@ -59,11 +62,57 @@ def test_batch_of_one(case, schedule):
     analysis took for the sample dim (recurrent was refused)."""
     c = CASES[case]
     inputs, targets = c.data(1)
-    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, reduction=c.reduction)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule=schedule, reduction=c.reduction,
+                                      compiler=compiler)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters["norm_whole_gradient"] == len(record.summary["params"]), record.counters
     if case == "recurrent":  # the backward's ambiguous layouts taken as sample 0's, not refused
         assert record.counters["one_sample_backward_fallbacks"] > 0, record.counters
+
+
+@pytest.mark.parametrize("reduction,zero_infinity,batch,schedule,compiler", [
+    ("mean", True, "static", "bk", "inductor"), ("sum", False, "unbacked", "ghost", "eager"),
+    ("mean", True, "one", "ghost", "eager")])
+def test_ctc_loss_is_per_sample(reduction, zero_infinity, batch, schedule, compiler):
+    """F.ctc_loss over time-first log-probs ([T, B, C]), padded targets, one input and target length per sample:
+    dynamo split the step at torch's CTC op (its saved alpha buffer's size is read from the target lengths), so
+    it was refused as a partial step; dpcompile traces it as one op per sample (dpcompile/ctc_loss.py). Exact
+    against the oracle with a sample without targets and one whose targets do not fit its input length (a loss
+    of 0 with zero_infinity, else dropped as non-finite), static, unbacked and a batch of one; torch's "mean"
+    (each sample's loss over its target length, then the mean) is a mean of per-sample losses."""
+    from reference import dp_reference
+
+    B = 1 if batch == "one" else 5
+    x, y, il, tl = cases.ctc_data(B)
+    torch.manual_seed(0)
+    model = M.MLP(d_out=cases.CTC_CLASSES)
+    per_sample = cases.ctc_loss(reduction, zero_infinity, per_sample=True)
+    # the oracle's per-sample gradients one sample at a time: torch's CTC op has no vmap rule
+    _, norms = dp_reference(model, per_sample, (x,), (y, il, tl), max_grad_norm=1.0, reduction=reduction,
+                            expected_batch_size=B, loop=True)
+    finite = norms[norms.isfinite() & (norms > 0)]
+    C = float(finite.median()) if B > 1 else float(finite[0]) / 2
+    assert B == 1 or ((norms > C) & norms.isfinite()).any() and ((norms < C) & (norms > 0)).any(), norms
+    ref, _ = dp_reference(model, per_sample, (x,), (y, il, tl), max_grad_norm=C, reduction=reduction,
+                          expected_batch_size=B + 1, loop=True)
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B + 1,
+                                  schedule=schedule, compiler=compiler)
+    batch_loss = cases.ctc_loss(reduction, zero_infinity)
+
+    def step(x, y, il, tl):
+        loss = batch_loss(model(x), y, il, tl)
+        loss.backward()
+        return loss.detach()
+
+    if batch == "unbacked":
+        dpcompile.mark_batch(x, y, il, tl)
+    torch.compile(step, backend=backend)(x, y, il, tl)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-7, msg=lambda s: f"{name}: {s}")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.summary["loss"]["reduction"] == reduction, record.summary["loss"]
+    assert backend.dropped_samples() == (0 if zero_infinity or B < 3 else 1)
+    assert "dpcompile.ctc_loss.default" in record.summary["graph_ops"]["forward"], record.summary["graph_ops"]
 
 
 class _Squeezed(torch.nn.Module):

@@ -186,6 +186,30 @@ def test_a_sum_over_its_number_of_elements_is_refused_at_a_static_batch_of_one(d
         assert record.summary["loss"]["reduction"] == reduction, (batch, record.summary)
 
 
+def test_ctc_loss_with_concatenated_targets_is_refused():
+    """F.ctc_loss also takes the targets concatenated into one 1-D tensor: the samples are not a dim of it, so the
+    analysis cannot follow them (padded [B, S] targets run: test_per_sample_clipping's test_ctc_loss_is_per_sample).
+    As a batched input it disagrees with the batch size; declared not per-sample (batch_dim None), the CTC op
+    is refused by name, saying to pad the targets."""
+    import cases
+
+    x, y, il, tl = cases.ctc_data(4)
+    flat = torch.cat([y[i, :tl[i]] for i in range(4)])
+    model = M.MLP(d_out=cases.CTC_CLASSES)
+
+    def step(x, flat, il, tl):
+        loss = F.ctc_loss(model(x).log_softmax(-1).transpose(0, 1), flat, il, tl)
+        loss.backward()
+        return loss.detach()
+
+    for options, fragments, exc in (({}, ("disagree on the batch size", "batch_dim"), ValueError),
+                                    ({"batch_dim": {"flat": None}}, ("dpcompile.ctc_loss", "concatenated",
+                                                                     "padded, one row per sample"), DPCompileError)):
+        torch._dynamo.reset()
+        backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, **options)
+        expect_refusal(lambda: torch.compile(step, backend=backend)(x, flat, il, tl), *fragments, exc=exc)
+
+
 @pytest.mark.parametrize("order", ["flipped", "shifted"])
 def test_indexing_the_sample_dim_out_of_order_is_refused(order):
     """x[arange(B), j] is per sample (tests/cases.py sample_indexed); the batch positions in any other order

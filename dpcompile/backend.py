@@ -25,8 +25,9 @@ from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, decompositions_for_one_sample,
-                              guard_empty_y_grid, hf_expand_position_ids, hint_fusion_scores, hint_kernel_size_hints, hint_mix_order_split,
-                              reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
+                              guard_empty_y_grid, hf_expand_position_ids, hint_fusion_scores, hint_kernel_size_hints,
+                              hint_mix_order_split, reshape_indexer_refuses_unbacked_guesses,
+                              rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
 from dpcompile.bucketing import cpp_wrapper_patches

@@ -487,18 +487,19 @@ def test_weight_normalised_as_a_whole(schedule):
                                                  ("ghost", "static", "nll_loss"), ("bk", "unbacked", "nll_loss"),
                                                  ("bk", "static", "label_smoothing"),
                                                  ("ghost", "unbacked", "label_smoothing"),
-                                                 ("ghost", "static", "kl_batchmean"), ("bk", "unbacked", "kl_batchmean"),
+                                                 ("ghost", "static", "kl_batchmean"),
+                                                 ("bk", "unbacked", "kl_batchmean"),
                                                  ("bk", "static", "sum_over_numel"),
                                                  ("ghost", "unbacked", "sum_over_numel")])
 def test_whole_batch_means_of_per_sample_losses(schedule, batch, loss):
     """Losses written over the whole batch that are means of per-sample losses (tests/cases.BATCH_MEANS):
     F.cross_entropy (label smoothing too) and F.nll_loss with their default mean, a sum of per-sample losses over
     the count of targets that are not ignore_index, one per sample; F.kl_div's "batchmean", a sum over the batch
-    size; a sum over all elements of [B, classes] over their number (.mean() by hand). The DP gradient divides by expected_batch_size, as for .mean(): exact against the oracle of the
-    per-sample losses (reduction="none"), an ignored target's sample contributing nothing and not counted as
-    dropped. Taken as a sum of per-sample losses each over the batch size instead (before), "batchmean" clipped
-    g_i / B (fc1.weight off by 0.14), and sum / numel g_i / (B * classes); label smoothing's count, written twice,
-    was refused as two counts."""
+    size; a sum over all elements of [B, classes] over their number (.mean() by hand). The DP gradient divides
+    by expected_batch_size, as for .mean(): exact against the oracle of the per-sample losses (reduction="none"),
+    an ignored target's sample contributing nothing and not counted as dropped. Taken as a sum of per-sample
+    losses each over the batch size instead (before), "batchmean" clipped g_i / B (fc1.weight off by 0.14), and
+    sum / numel g_i / (B * classes); label smoothing's count, written twice, was refused as two counts."""
     import copy
 
     from reference import dp_reference

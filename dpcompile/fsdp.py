@@ -21,6 +21,7 @@ backend takes that all-reduce as the sum of the tp ranks' parts).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -195,18 +196,28 @@ def _shard_tensor_parallel(p: DTensor, mesh: DeviceMesh, name: str) -> tuple[DTe
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
-    mesh: DeviceMesh,
-    reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = True,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-) -> nn.Module:
+    offload_policy: object = None,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
     """Shards the parameters of ``module`` not yet sharded (apply to blocks, then the root).
 
-    reshard_after_forward=True frees the gathered parameters after the
-    forward and gathers again in the backward (ZeRO-3); False keeps them
-    (ZeRO-2). A 2-D mesh shards within dim 1 and replicates across dim 0.
+    The arguments mean what FSDP2's do. mesh: None, a 1-D mesh over every rank
+    of the default process group (on CUDA where its backend is NCCL, else
+    CPU). reshard_after_forward=True (or None) frees the gathered parameters
+    after the forward and gathers again in the backward (ZeRO-3); False keeps
+    them (ZeRO-2). A 2-D mesh shards within dim 1 and replicates across dim 0.
+    shard_placement_fn: parameter -> ``Shard(dim)`` (the dim each rank holds a
+    piece of; uneven sizes are fine) or None for ``Shard(0)``. A list of
+    modules is sharded as one group, as FSDP2 does.
     mp_policy: as FSDP2's, the casts of inputs and outputs included (MixedPrecisionPolicy).
+    offload_policy and ignored_params: accepted for FSDP2's signature, refused unless they ask for nothing
+    (no CPU offload; no parameter left out of the gradients' cross-rank sum, which the noise relies on).
     On a model parallelized over ``mesh["tp"]`` (torch's parallelize_module),
     pass ``mesh=mesh["dp"]`` of the same device mesh: the tensor-parallel
     parameters become 2-D DTensors on (dp, tp) (the module docstring).
@@ -215,12 +226,28 @@ def fully_shard(
     was called or Inductor's bucketing was set otherwise: a sharded step is
     latency-bound without it (BENCHMARKS.md).
     """
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise ValueError(f"fully_shard: offload_policy={offload_policy!r} is not supported (the in-graph "
+                         f"all-gathers read the parameters where they live); leave it out")
+    if ignored_params:
+        raise ValueError("fully_shard: ignored_params is not supported: an ignored parameter's gradient would not "
+                         "be summed over the ranks, and each rank's noise covers only the coordinates it holds. "
+                         "Freeze it (requires_grad=False) or shard it")
+    if isinstance(module, (list, tuple)):
+        return _shard_group(list(module), mesh=_default_mesh() if mesh is None else mesh, reshard_after_forward=reshard_after_forward,
+                            shard_placement_fn=shard_placement_fn, mp_policy=mp_policy)
+    if mesh is None:
+        mesh = _default_mesh()
     if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"fully_shard needs a DeviceMesh, got {type(mesh).__name__}")
+        raise ValueError(f"fully_shard needs a DeviceMesh (or None for one over every rank), got {type(mesh).__name__}")
+    if reshard_after_forward is None:
+        reshard_after_forward = True
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"fully_shard: reshard_after_forward must be True, False or None, got "
+                         f"{reshard_after_forward!r} (FSDP2's int, resharding to a smaller group, is not supported)")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard supports 1-D (FSDP) and 2-D (HSDP) meshes, got {mesh.ndim}-D")
     mp = mp_policy or MixedPrecisionPolicy()
-    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0 and not _made_here(p)]
     if scalars:
         # Shard(0) needs a dim; a replicated parameter would need noise drawn once for all ranks
@@ -231,6 +258,15 @@ def fully_shard(
     # tensor-parallel parameters first: a layout that cannot be taken is refused before anything changes
     tp_sharded = {id(p): _shard_tensor_parallel(p, mesh, name) for name, p in module.named_parameters()
                   if isinstance(p, DTensor) and not _made_here(p)}
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    if shard_placement_fn is not None:  # checked for every parameter before anything changes
+        for name, p in module.named_parameters():
+            if not _made_here(p) and id(p) not in tp_sharded:
+                _placements(p, name, mesh, shard_placement_fn)
+            elif id(p) in tp_sharded and shard_placement_fn(p) not in (None, Shard(0)):
+                raise ValueError(f"fully_shard: parameter {name!r} is tensor parallel; its data-parallel pieces are "
+                                 f"Shard(0) of each tensor-parallel piece, so shard_placement_fn must return None "
+                                 f"or Shard(0) for it, got {shard_placement_fn(p)!r}")
     converted: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}  # tied parameters stay tied
     for sub in module.modules():
         names = tuple(
@@ -246,7 +282,8 @@ def fully_shard(
                 if id(p) in tp_sharded:
                     dt, layout = tp_sharded[id(p)]
                 else:
-                    dt, layout = distribute_tensor(p.detach(), mesh, placements), None
+                    pl = _placements(p, name_of[id(p)], mesh, shard_placement_fn)
+                    dt, layout = distribute_tensor(p.detach(), mesh, pl), None
                 new = nn.Parameter(dt, requires_grad=p.requires_grad)
                 new._dpcompile_reshard_after_forward = reshard_after_forward  # read by the backend
                 if layout is not None:
@@ -268,8 +305,58 @@ def fully_shard(
             module.register_forward_hook(_cast_output_hook(mp.output_dtype))
         module._dpcompile_mp_hooks = True
     module._dpcompile_mesh = mesh
+    _run_gradient_wrapping_eagerly()
     default_bucketing()  # bucketed, overlapped collectives unless the user chose (dpcompile.bucketing)
     return module
+
+
+def _run_gradient_wrapping_eagerly() -> None:
+    """AOTAutograd wraps a compiled backward's gradients into DTensors with ``DTensor.__tensor_unflatten__``,
+    called from its runtime wrapper while dynamo's frame hook is still on (the step's ``loss.backward()``
+    runs inside the compiled function). Dynamo then traces that function as a frame of its own (its module
+    is on dynamo's inline list): a graph of nothing for a Shard(0) gradient, and on torch 2.13 an internal
+    error for Shard(d), d > 0 (DTensorSpec checks its shard order with ``Shard(dim)``, a C++ class dynamo
+    cannot call with a traced int). Run it as plain Python there; tracing the model still inlines it."""
+    skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip is not None:
+        skip(DTensor.__tensor_unflatten__.__code__)
+
+
+def _default_mesh() -> DeviceMesh:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise ValueError("fully_shard: no mesh given and no default process group; call "
+                         "torch.distributed.init_process_group first (torchrun sets what it needs), or pass mesh=")
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def _placements(p: nn.Parameter, name: str, mesh: DeviceMesh, fn) -> list:
+    """The parameter's placements on mesh: Shard(dim) from shard_placement_fn (None: Shard(0)); a 2-D mesh
+    replicates over its dim 0."""
+    shard = Shard(0) if fn is None else fn(p)
+    if shard is None:
+        shard = Shard(0)
+    if type(shard) is not Shard:
+        raise ValueError(f"fully_shard: shard_placement_fn returned {shard!r} for parameter {name!r}; it must "
+                         f"return torch.distributed.tensor.Shard(dim) or None (Shard(0))")
+    if not -p.dim() <= shard.dim < p.dim():
+        raise ValueError(f"fully_shard: shard_placement_fn returned {shard!r} for parameter {name!r} of shape "
+                         f"{tuple(p.shape)}: no such dim")
+    shard = Shard(shard.dim % p.dim())
+    return [shard] if mesh.ndim == 1 else [Replicate(), shard]
+
+
+def _shard_group(modules: list[nn.Module], **kwargs) -> list[nn.Module]:
+    """FSDP2's list form: modules that share one group of parameters. Each module's parameters not yet sharded
+    are sharded (a parameter two of them share, once); the gathers are per module, as for separate calls."""
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError("fully_shard: a list of modules must be non-empty and hold only nn.Module")
+    for m in modules:
+        fully_shard(m, **kwargs)
+    return modules
 
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy"]

@@ -51,17 +51,26 @@ def _uncloned(x: fx.Node) -> fx.Node:
 
 
 def unglue(x: fx.Node) -> fx.Node:
-    """The full local gradient G behind DTensor's uneven-shard glue, else x.
+    """The full local gradient G behind DTensor's shard glue, else x.
 
-    Before a reduce-scatter, DTensor splits G along dim 0 into one piece per
-    rank, zero-pads the short ones and concatenates them: a re-arrangement
-    that keeps every entry (norm-preserving). Recognised only in exactly that
-    form: cat([split(G)[0], pad(split(G)[1]), ..., pad(empty), ...]) over all
-    pieces, in order; a rank past the last piece (dim 0 shorter than the
-    ranks: a ViT's [1, 1, D] class token on 2 ranks) gets an empty tensor
-    padded with zeros.
+    Before a reduce-scatter, DTensor re-arranges G: for Shard(0) it splits G
+    along dim 0 into one piece per rank, zero-pads the short ones and
+    concatenates them; for Shard(d), d > 0, it may first do the same along d
+    (uneven pieces), then cuts along d and concatenates the pieces along dim 0
+    (the functional reduce-scatter's scatter_dim). Each step keeps every entry
+    once and adds zeros (norm-preserving, linear). Recognised only in that
+    form, step by step: cat([split(G)[0], pad(split(G)[1]), ..., pad(empty),
+    ...]) over all pieces of one split, in order, each padded only with zeros;
+    a rank past the last piece (the dim shorter than the ranks: a ViT's
+    [1, 1, D] class token on 2 ranks) gets an empty tensor padded with zeros.
     """
-    if x.target is not aten.cat.default or (len(x.args) > 1 and x.args[1] not in (0,)):
+    while (g := _unglue_once(x)) is not x:
+        x = g
+    return x
+
+
+def _unglue_once(x: fx.Node) -> fx.Node:
+    if not isinstance(x, fx.Node) or x.target is not aten.cat.default:
         return x
     split, pieces, past_last = None, 0, False
     for piece in x.args[0]:
@@ -69,19 +78,17 @@ def unglue(x: fx.Node) -> fx.Node:
         if piece.target is aten.constant_pad_nd.default:
             pad = list(piece.args[1])
             value = piece.args[2] if len(piece.args) > 2 else 0
-            nd = piece.meta["val"].dim()
-            # only the end of dim 0 may be padded, with zeros
-            if value != 0 or len(pad) != 2 * nd or any(pad[: 2 * nd - 1]) or pad[-1] < 0:
+            # zeros added after the entries of some dims: nothing cut off (a negative pad), nothing but zeros
+            if value != 0 or any(known(p < 0) or not known(p >= 0) for p in pad):
                 return x
             piece = _uncloned(piece.args[0])
-        if known(piece.meta["val"].shape[0] == 0):  # empty: zeros once padded; only after every real piece
+        if known(piece.meta["val"].numel() == 0):  # empty: zeros once padded; only after every real piece
             past_last = True
             continue
         if past_last or piece.target is not operator.getitem or piece.args[1] != pieces:
             return x
         sp = piece.args[0]
-        if sp.target not in (aten.split.Tensor, aten.split_with_sizes.default) or \
-                (len(sp.args) > 2 and sp.args[2] != 0):
+        if sp.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             return x
         if split is None:
             split = sp

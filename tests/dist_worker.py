@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import cases
 import dpcompile
@@ -241,11 +242,14 @@ def hybrid(rank, world, init_file, out_dir):
 SHARDED_STEPS = ((0, 3), (1, 4), (5, 3), (0, 0))
 
 
-def shard_like_a_user(model, mesh, blocks=(), **kwargs):
-    """fully_shard every item of every nn.ModuleList (the blocks of a transformer) and every module whose class
-    is named in blocks (a vision model's blocks, in an nn.Sequential), then the root."""
+def shard_like_a_user(model, mesh, blocks=(), lists=False, **kwargs):
+    """fully_shard every item of every nn.ModuleList (the blocks of a transformer; lists: all of a list's
+    items by one call) and every module whose class is named in blocks (a vision model's blocks, in an
+    nn.Sequential), then the root."""
     for module in list(model.modules()):
-        if isinstance(module, torch.nn.ModuleList):
+        if isinstance(module, torch.nn.ModuleList) and lists:
+            assert dpcompile.fully_shard(list(module), mesh=mesh, **kwargs) == list(module)
+        elif isinstance(module, torch.nn.ModuleList):
             for block in module:
                 dpcompile.fully_shard(block, mesh=mesh, **kwargs)
         elif type(module).__name__ in blocks:
@@ -292,10 +296,14 @@ def _sharded_case(case, mesh, rank, schedule, form, seed):
     every_grads = per_sample_gradients(ref_model, case.loss, tuple(every[:n_in]), tuple(every[n_in:]))
     _, norms = clip_and_sum(every_grads, max_grad_norm=1.0, reduction=case.reduction, expected_batch_size=9)
     C = cases.finite_median(norms)  # over the samples of all steps: some clipped, some not
-    shard_like_a_user(model, mesh)
+    form, *flags = form.split("+")
+    # "+last_dim": every parameter sharded on its last dim (shard_placement_fn), its pieces uneven where that
+    # dim is odd; "+no_mesh": fully_shard's default mesh (every rank of the process group); "+lists": each
+    # nn.ModuleList's blocks sharded by one call, as a list (FSDP2's form)
+    shard_like_a_user(model, None if "no_mesh" in flags else mesh, lists="lists" in flags,
+                      **({"shard_placement_fn": lambda p: Shard(p.dim() - 1)} if "last_dim" in flags else {}))
     options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule, seed=seed)
 
-    form, *flags = form.split("+")
     if "eager" in flags:
         options["compiler"] = "eager"
     if "cpp" in flags:  # Inductor's C++ wrapper launches the kernels (collectives and dpcompile's ops included)
@@ -391,7 +399,9 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, 
             "recomputed": graphs[0].counters.get("second_backward_recomputed_contractions", 0),
             "counters": graphs[0].counters, "frozen": graphs[0].summary["frozen"], "clipped": clipped,
             "unclipped": unclipped, "worst": worst, "seconds": time.time() - start,
-            "waits_out_of_order": waits_out_of_order(graphs[0])}
+            "waits_out_of_order": waits_out_of_order(graphs[0]),
+            "placements": sorted({f"{p.placements}" for p in model.parameters()}),
+            "meshes": sorted({f"{p.device_mesh}" for p in model.parameters()})}
 
 
 def noise(rank, world, init_file, out_dir, seed):
@@ -650,6 +660,26 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["scalar_parameter"] = "no error"
     except ValueError as e:
         results["scalar_parameter"] = str(e)
+    # shard_placement_fn returning what is not a Shard, or a dim the parameter lacks; FSDP2's int
+    # reshard_after_forward; a list with something else than modules: refused before anything is sharded
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import Replicate
+
+    for key, call in {
+        "placement_not_shard": lambda m: dpcompile.fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Replicate()),
+        "placement_no_dim": lambda m: dpcompile.fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(2)),
+        "reshard_int": lambda m: dpcompile.fully_shard(m, mesh=mesh, reshard_after_forward=2),
+        "list_not_modules": lambda m: dpcompile.fully_shard([m, "fc"], mesh=mesh),
+        "cpu_offload": lambda m: dpcompile.fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy()),
+        "ignored_params": lambda m: dpcompile.fully_shard(m, mesh=mesh, ignored_params={m.bias}),
+    }.items():
+        lin = torch.nn.Linear(4, 3)
+        try:
+            call(lin)
+            results[key] = "no error"
+        except ValueError as e:
+            results[key] = str(e)
+        results[f"{key}_untouched"] = not any(isinstance(p, torch.distributed.tensor.DTensor) for p in lin.parameters())
     # a buffer updated from the samples (a running mean of the inputs): refused on every rank, rank 1 with no
     # samples included (the graph is the same), before any collective
     torch._dynamo.reset()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dist_worker
+import dpcompile
 from ranks import SharedRanks, spawn
 from ranks import read as _read
 from dpcompile.compat import dtensor_takes_unbacked_batch, meshes_are_graph_inputs
@@ -92,6 +93,9 @@ RANKS = SharedRanks("ranks", {
     "unmarked": (1, "unmarked_batch", {}),
     "cross_entropy_mean": (1, "cross_entropy_mean", {}),
     "ctc_loss": (1, "ctc_loss_sharded", {}),
+    # FSDP2's other ways to call fully_shard (dist_worker._sharded_case's flags)
+    "placements": (1, "every_case", dict(runs=[("gpt", "bk", "compile+last_dim+lists"),
+                                               ("vision_blocks", "ghost", "private_step+eager+last_dim+no_mesh")])),
     # op by op (CI time: its Inductor run took half this group's 140 s): Inductor's code for input_gram with an
     # unbacked batch size runs on one process (test_convolution's test_auto_takes_input_gram_..., unbacked)
     "input_gram": (1, "every_case", dict(runs=[("vision_blocks", "bk", "private_step+eager+input_gram"),
@@ -296,9 +300,46 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         assert ("mesh['dp'] and mesh['tp']" if dtensor_takes_unbacked_batch() else "needs torch 2.13") \
             in rep["tp_dp_meshes_apart"], rep
         assert "'parametrizations.weight.original0' is a scalar" in rep["scalar_parameter"], rep
+        # FSDP2's arguments taken in a form dpcompile cannot shard: refused, nothing sharded
+        assert "must return torch.distributed.tensor.Shard(dim) or None" in rep["placement_not_shard"], rep
+        assert "'weight'" in rep["placement_not_shard"] and "Replicate" in rep["placement_not_shard"], rep
+        assert "Shard(dim=2) for parameter 'weight' of shape (3, 4): no such dim" in rep["placement_no_dim"], rep
+        assert "reshard_after_forward must be True, False or None, got 2" in rep["reshard_int"], rep
+        assert "only nn.Module" in rep["list_not_modules"], rep
+        assert "offload_policy=CPUOffloadPolicy" in rep["cpu_offload"], rep
+        assert "ignored_params is not supported" in rep["ignored_params"], rep
+        for key in ("placement_not_shard", "placement_no_dim", "reshard_int", "list_not_modules", "cpu_offload",
+                    "ignored_params"):
+            assert rep[f"{key}_untouched"], key
         # a buffer written from the samples is refused, naming it, before the step writes anything
         assert "writes sample data into buffer 'running_mean'" in rep["running_statistic"], rep
         assert "aten.mean.dim" in rep["running_statistic"] and rep["running_statistic_untouched"], rep
+
+
+@_ranks("placements")
+def test_shard_placement_fn_default_mesh_and_lists_of_modules(shared_ranks):
+    """FSDP2's other ways to call fully_shard: every parameter sharded on its last dim (shard_placement_fn: a
+    Linear's input features, a convolution's kernel width, uneven pieces where the dim is odd, DTensor's glue
+    around the reduce-scatters), fully_shard's default mesh, a ModuleList's blocks sharded by one call. Per-rank
+    batches (0, 3), (1, 4), (5, 3), (0, 0), one graph, clipping active, bad samples dropped: each rank's
+    gathered gradient equals the float64 oracle on the whole batch, in both schedules."""
+    runs = {"gpt-bk-compile+last_dim+lists": "(Shard(dim=1),)",
+            "vision_blocks-ghost-private_step+eager+last_dim+no_mesh": "(Shard(dim=3),)"}
+    for rank, results in enumerate(_read(shared_ranks(RANKS, "placements"), prefix="cases")):
+        assert set(results) == set(runs), results.keys()
+        for run, widest in runs.items():
+            r = results[run]
+            assert r["error"] is None, f"rank {rank} {run}:\n{r['error']}"
+            assert r["dp_graphs"] == 1 and r["batch_size"].startswith("u"), r
+            assert r["clipped"] > 0 and r["unclipped"] > 0, r
+            # 1-D parameters on dim 0, the others on their last dim, never dim 0
+            assert "(Shard(dim=0),)" in r["placements"] and widest in r["placements"], r["placements"]
+            assert len(r["meshes"]) == 1 and "cpu" in r["meshes"][0], r["meshes"]  # one mesh: the default
+
+
+def test_fully_shard_without_a_mesh_needs_a_process_group():
+    with pytest.raises(ValueError, match="no mesh given and no default process group"):
+        dpcompile.fully_shard(torch.nn.Linear(3, 2))
 
 
 @pytest.mark.parametrize("case", sorted(dist_worker.NCCL_CASES))

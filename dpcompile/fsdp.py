@@ -1,7 +1,8 @@
 """fully_shard with in-graph collectives (the SimpleFSDP approach).
 
-Parameters become DTensors sharded on dim 0 (so torch optimizers,
-``state_dict`` and ``torch.distributed.checkpoint`` see them as with FSDP2).
+Parameters become DTensors sharded on dim 0, or on the dim shard_placement_fn
+gives (so torch optimizers, ``state_dict`` and ``torch.distributed.checkpoint``
+see them as with FSDP2).
 The module reads each parameter through a property that all-gathers it with
 ``redistribute(Replicate).to_local(grad_placements=[Partial("sum")])``, which
 dynamo traces into functional collectives: all-gathers in the forward and
@@ -234,8 +235,9 @@ def fully_shard(
                          "be summed over the ranks, and each rank's noise covers only the coordinates it holds. "
                          "Freeze it (requires_grad=False) or shard it")
     if isinstance(module, (list, tuple)):
-        return _shard_group(list(module), mesh=_default_mesh() if mesh is None else mesh, reshard_after_forward=reshard_after_forward,
-                            shard_placement_fn=shard_placement_fn, mp_policy=mp_policy)
+        return _shard_group(list(module), mesh=_default_mesh() if mesh is None else mesh,
+                            reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_placement_fn,
+                            mp_policy=mp_policy)
     if mesh is None:
         mesh = _default_mesh()
     if not isinstance(mesh, DeviceMesh):

@@ -404,11 +404,15 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, 
             "meshes": sorted({f"{p.device_mesh}" for p in model.parameters()})}
 
 
-def noise(rank, world, init_file, out_dir, seed):
-    """Noiseless and noisy steps on identical data; saves this rank's noise draws (full gradients)."""
+def noise(rank, world, init_file, out_dir, seed, last_dim=False):
+    """Noiseless and noisy steps on identical data; saves this rank's noise draws (full gradients). last_dim:
+    every parameter sharded on its last dim."""
     mesh = _init(rank, world, init_file)
     model, loss_fn, vocab = make("gpt")
-    shard(model, mesh)
+    if last_dim:
+        shard_like_a_user(model, mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    else:
+        shard(model, mesh)
     ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(rank))
 
     def run(sigma, steps):
@@ -435,7 +439,8 @@ def noise(rank, world, init_file, out_dir, seed):
     torch._dynamo.reset()
     noisy, noisy_local = run(2.0, 30)
     local = {n: noisy_local[n] - clean_local[n] for n in noisy_local}
-    torch.save({"z": noisy - clean, "local": local}, os.path.join(out_dir, f"noise{rank}.pt"))
+    placements = sorted({f"{p.placements}" for p in model.parameters()})
+    torch.save({"z": noisy - clean, "local": local, "placements": placements}, os.path.join(out_dir, f"noise{rank}.pt"))
     _finish()
 
 

@@ -85,6 +85,7 @@ RANKS = SharedRanks("ranks", {
     "bucketed_gpt_bk_16": (0, "correctness", dict(case="gpt", schedule="bk", sizes=[3, 2], reshard_after_forward=True,
                                                   bucket_mb=16)),
     "noise": (0, "noise", dict(seed=123)),
+    "noise_last_dim": (1, "noise", dict(seed=123, last_dim=True)),
     "bad_inputs": (0, "bad_inputs", {}),
     "bucketed_llama_ghost_default": (1, "correctness", dict(case="llama", schedule="ghost", sizes=[3, 2],
                                                             reshard_after_forward=True)),
@@ -257,11 +258,14 @@ def test_ctc_loss_sharded(shared_ranks):
         assert r["reduction"] == "mean" and "dpcompile.ctc_loss.default" in r["ops"], r
 
 
-@_ranks("noise")
-def test_noise_on_shards_two_ranks(shared_ranks):
-    out = shared_ranks(RANKS, "noise")
+@pytest.mark.parametrize("job", [pytest.param(j, marks=_ranks(j)) for j in ("noise", "noise_last_dim")])
+def test_noise_on_shards_two_ranks(job, shared_ranks):
+    """One draw per coordinate across the ranks, each rank its own stream: parameters sharded on dim 0, and on
+    their last dim (shard_placement_fn: each rank holds some columns of a matrix)."""
+    out = shared_ranks(RANKS, job)
     z0 = torch.load(os.path.join(out, "noise0.pt"))
     z1 = torch.load(os.path.join(out, "noise1.pt"))
+    assert z0["placements"] == (["(Shard(dim=0),)"] if job == "noise" else ["(Shard(dim=0),)", "(Shard(dim=1),)"])
     std = 2.0 * 0.5 / 4
     # both ranks see the same full gradient (gathered), noise included
     torch.testing.assert_close(z0["z"], z1["z"])

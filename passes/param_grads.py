@@ -221,9 +221,12 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
             terms, _ = decompose(whole, ctx, param, alpha)
             return terms, False
     if t is aten.slice.Tensor:
-        # e.g. Inductor's shape padding slices a padded contraction back
-        terms, _ = decompose(node.args[0], ctx, param, alpha)
-        return terms, False
+        # e.g. Inductor's shape padding slices a padded contraction back. After the cross-rank reduction it
+        # cuts the padding off this rank's shard of the reduced gradient (a parameter whose dim does not
+        # divide by the ranks): the per-sample norm is of this rank's gradient before the reduction
+        # (ParamGrad.locals), which the cut does not touch
+        terms, simple = decompose(node.args[0], ctx, param, alpha)
+        return terms, simple and _reduced_by_collective(node.args[0])
     if t is aten.where.self and ctx.states.get(node.args[0]) is FREE:
         x = masked_operand(node)
         if x is not None:
@@ -323,6 +326,14 @@ def _innermost_local(reduction: fx.Node, param: ParamInfo, ctx: DPPassContext) -
         else:
             break
     return local
+
+
+def _reduced_by_collective(x: fx.Node) -> bool:
+    """x is the result of a cross-rank reduction, through waits and entry-moving views."""
+    while isinstance(x, fx.Node) and x.op == "call_function" and (
+            x.target is torch.ops._c10d_functional.wait_tensor.default or x.target in NORM_PRESERVING):
+        x = x.args[0]
+    return isinstance(x, fx.Node) and x.op == "call_function" and x.target in COLLECTIVE_REDUCTIONS
 
 
 def _reaches_a_reduction(g: fx.Node) -> bool:

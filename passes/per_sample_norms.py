@@ -477,14 +477,16 @@ class NormBuilder:
 
     def emb_materialize(self, c: Contribution) -> fx.Node:
         b = self.b
-        V, I = self._emb_parts(c)
-        num, D = c.node.meta["val"].shape
+        V, I = self._emb_parts(c)  # [B, S, F]: F the features of a row of the table, flattened
+        num, *row = c.node.meta["val"].shape  # a table of any rank: [E, d_out, d_in] experts
         I = b.call(aten.squeeze.dim, I, -1)
         I = ids_in_range(b, I, num)
         S = I.meta["val"].shape[1]
+        F = V.meta["val"].shape[2]
         bidx = b.call(aten.expand.default, b.view(b.arange(self.B, I.meta["val"].device), [self.B, 1]), [self.B, S])
-        zeros = b.call(aten.full.default, [self.B, num, D], 0.0, dtype=torch.float32, device=V.meta["val"].device)
-        return b.call(aten.index_put.default, zeros, [bidx, I], b.f32(V), True)
+        zeros = b.call(aten.full.default, [self.B, num, F], 0.0, dtype=torch.float32, device=V.meta["val"].device)
+        out = b.call(aten.index_put.default, zeros, [bidx, I], b.f32(V), True)
+        return out if len(row) == 1 else b.reshape(out, [self.B, num, *row])
 
     # -- dispatch ---------------------------------------------------------------
     def sq(self, c: Contribution) -> tuple[fx.Node, str, str]:

@@ -195,13 +195,17 @@ class RoutedExperts(nn.Module):
     experts_implementation="batched_mm" (Mixtral, Qwen-MoE, ...): a router's softmax picks each token's top_k
     experts (topk: its backward scatters the gradient back), each token repeated top_k times goes through its
     experts' weights gathered by index (w[e]: a per-token weight, whose gradient is an index_put of per-token
-    outer products) and a batched matmul, the outputs weighted by the renormalised router probabilities."""
+    outer products) and a batched matmul, the outputs weighted by the renormalised router probabilities.
+    The up-projections are read through a fixed per-expert gain (a buffer): their gradient reaches the table
+    through a sample-free factor, so its norm comes from the per-sample gradient, materialised. Three experts:
+    on 2 ranks the expert tables' shards are uneven (2 and 1), so rank 1 cuts its reduced gradient's padding."""
 
-    def __init__(self, d=6, hidden=8, n_out=3, experts=4, top_k=2):
+    def __init__(self, d=6, hidden=8, n_out=3, experts=3, top_k=2):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(d, experts, bias=False)
         self.w_in = nn.Parameter(torch.randn(experts, hidden, d) / math.sqrt(d))
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, experts).view(experts, 1, 1))
         self.w_out = nn.Parameter(torch.randn(experts, d, hidden) / math.sqrt(hidden))
         self.b_out = nn.Parameter(torch.zeros(experts, d))
         self.head = nn.Linear(d, n_out)
@@ -213,7 +217,7 @@ class RoutedExperts(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         e = chosen.reshape(-1)
         tokens = h.repeat_interleave(self.top_k, dim=0)  # [N * top_k, d]
-        up = F.silu(torch.bmm(self.w_in[e], tokens.unsqueeze(-1)).squeeze(-1))
+        up = F.silu(torch.bmm((self.w_in * self.gain)[e], tokens.unsqueeze(-1)).squeeze(-1))
         down = torch.bmm(self.w_out[e], up.unsqueeze(-1)).squeeze(-1) + self.b_out[e]
         mixed = (down * weights.reshape(-1, 1)).view(-1, self.top_k, d).sum(1)
         return self.head(mixed.view(x.shape) + x)

@@ -304,16 +304,16 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         assert ("mesh['dp'] and mesh['tp']" if dtensor_takes_unbacked_batch() else "needs torch 2.13") \
             in rep["tp_dp_meshes_apart"], rep
         assert "'parametrizations.weight.original0' is a scalar" in rep["scalar_parameter"], rep
-        # FSDP2's arguments taken in a form dpcompile cannot shard: refused, nothing sharded
-        assert "must return torch.distributed.tensor.Shard(dim) or None" in rep["placement_not_shard"], rep
-        assert "'weight'" in rep["placement_not_shard"] and "Replicate" in rep["placement_not_shard"], rep
-        assert "Shard(dim=2) for parameter 'weight' of shape (3, 4): no such dim" in rep["placement_no_dim"], rep
-        assert "reshard_after_forward must be True, False or None, got 2" in rep["reshard_int"], rep
-        assert "only nn.Module" in rep["list_not_modules"], rep
-        assert "offload_policy=CPUOffloadPolicy" in rep["cpu_offload"], rep
-        assert "ignored_params is not supported" in rep["ignored_params"], rep
-        for key in ("placement_not_shard", "placement_no_dim", "reshard_int", "list_not_modules", "cpu_offload",
-                    "ignored_params"):
+        # FSDP2's arguments taken in a form dpcompile cannot shard: refused, saying what, nothing sharded
+        for key, says in {
+            "placement_not_shard": ["must return torch.distributed.tensor.Shard(dim) or None", "'weight'", "Replicate"],
+            "placement_no_dim": ["Shard(dim=2) for parameter 'weight' of shape (3, 4): no such dim"],
+            "reshard_int": ["reshard_after_forward must be True, False or None, got 2"],
+            "list_not_modules": ["only nn.Module"],
+            "cpu_offload": ["offload_policy=CPUOffloadPolicy"],
+            "ignored_params": ["ignored_params is not supported"],
+        }.items():
+            assert all(s in rep[key] for s in says), (key, rep[key])
             assert rep[f"{key}_untouched"], key
         # a buffer written from the samples is refused, naming it, before the step writes anything
         assert "writes sample data into buffer 'running_mean'" in rep["running_statistic"], rep

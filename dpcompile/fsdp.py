@@ -260,15 +260,17 @@ def fully_shard(
     # tensor-parallel parameters first: a layout that cannot be taken is refused before anything changes
     tp_sharded = {id(p): _shard_tensor_parallel(p, mesh, name) for name, p in module.named_parameters()
                   if isinstance(p, DTensor) and not _made_here(p)}
-    name_of = {id(p): n for n, p in module.named_parameters()}
-    if shard_placement_fn is not None:  # checked for every parameter before anything changes
-        for name, p in module.named_parameters():
-            if not _made_here(p) and id(p) not in tp_sharded:
-                _placements(p, name, mesh, shard_placement_fn)
-            elif id(p) in tp_sharded and shard_placement_fn(p) not in (None, Shard(0)):
-                raise ValueError(f"fully_shard: parameter {name!r} is tensor parallel; its data-parallel pieces are "
-                                 f"Shard(0) of each tensor-parallel piece, so shard_placement_fn must return None "
-                                 f"or Shard(0) for it, got {shard_placement_fn(p)!r}")
+    # every other parameter's placements, shard_placement_fn asked once each, before anything changes
+    placements = {}
+    for name, p in module.named_parameters():
+        if _made_here(p):
+            continue
+        if id(p) not in tp_sharded:
+            placements[id(p)] = _placements(p, name, mesh, shard_placement_fn)
+        elif shard_placement_fn is not None and (asked := shard_placement_fn(p)) not in (None, Shard(0)):
+            raise ValueError(f"fully_shard: parameter {name!r} is tensor parallel; its data-parallel pieces are "
+                             f"Shard(0) of each tensor-parallel piece, so shard_placement_fn must return None "
+                             f"or Shard(0) for it, got {asked!r}")
     converted: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}  # tied parameters stay tied
     for sub in module.modules():
         names = tuple(
@@ -284,8 +286,7 @@ def fully_shard(
                 if id(p) in tp_sharded:
                     dt, layout = tp_sharded[id(p)]
                 else:
-                    pl = _placements(p, name_of[id(p)], mesh, shard_placement_fn)
-                    dt, layout = distribute_tensor(p.detach(), mesh, pl), None
+                    dt, layout = distribute_tensor(p.detach(), mesh, placements[id(p)]), None
                 new = nn.Parameter(dt, requires_grad=p.requires_grad)
                 new._dpcompile_reshard_after_forward = reshard_after_forward  # read by the backend
                 if layout is not None:

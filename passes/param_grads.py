@@ -79,7 +79,7 @@ def _unglue_once(x: fx.Node) -> fx.Node:
             pad = list(piece.args[1])
             value = piece.args[2] if len(piece.args) > 2 else 0
             # zeros added after the entries of some dims: nothing cut off (a negative pad), nothing but zeros
-            if value != 0 or any(known(p < 0) or not known(p >= 0) for p in pad):
+            if value != 0 or not all(known(p >= 0) for p in pad):
                 return x
             piece = _uncloned(piece.args[0])
         if known(piece.meta["val"].numel() == 0):  # empty: zeros once padded; only after every real piece
@@ -333,7 +333,7 @@ def _reduced_by_collective(x: fx.Node) -> bool:
     while isinstance(x, fx.Node) and x.op == "call_function" and (
             x.target is torch.ops._c10d_functional.wait_tensor.default or x.target in NORM_PRESERVING):
         x = x.args[0]
-    return isinstance(x, fx.Node) and x.op == "call_function" and x.target in COLLECTIVE_REDUCTIONS
+    return isinstance(x, fx.Node) and is_gradient_reduction(x)
 
 
 def _reaches_a_reduction(g: fx.Node) -> bool:

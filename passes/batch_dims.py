@@ -30,11 +30,11 @@ from dpcompile.errors import DPCompileError, DPValueError, SamplesMixedError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
-from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, SINGLE,
+from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, ROW_ORDER_STATES, SINGLE,
                           SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant,
                           loss_not_per_sample, sample_count_sum)
 from .context import DPPassContext
-from .rules import RULES, pointwise
+from .rules import RULES, pointwise, row_order
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -175,9 +175,11 @@ class BatchDimAnalysis:
         if not isinstance(v, (torch.Tensor, tuple, list)):
             # a Python scalar computed from per-sample values (.item()) would
             # carry sample data outside the graph's per-sample tracking
-            if any(isinstance(s, (Batched, Reduced, Mixed)) for s in in_states):
+            if any(isinstance(s, (Batched, Reduced, Mixed, *ROW_ORDER_STATES)) for s in in_states):
                 raise self.refuse(node, "produces a Python scalar from per-sample data")
             return FREE
+        if any(isinstance(s, ROW_ORDER_STATES) for s in in_states):
+            return row_order.state(self, node)  # rows sorted across the batch (routed experts)
         # Mixed inputs poison everything downstream; combining them with
         # per-sample data is the privacy bug we are here to prevent.
         mixed = [s for s in in_states if isinstance(s, Mixed)]

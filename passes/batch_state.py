@@ -40,6 +40,54 @@ SINGLE = Batched(None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Permuted:
+    """Rows in an order sorted across the batch (routed experts' tokens grouped by expert): along ``dim``, row r
+    is element perm[r] of the sorted dim, which was ``Batched(0, outer, inner)``, so it belongs to sample
+    (perm[r] // inner) % B. ``sort`` is the aten.sort node whose indices are perm; ``keys``: the sort's values
+    themselves (or a cast of them), from which group offsets may be counted. passes.rules.row_order."""
+    sort: fx.Node
+    outer: Any
+    inner: Any
+    dim: int = 0
+    keys: bool = False
+
+    def moved(self, dim: int) -> "Permuted":
+        return Permuted(self.sort, self.outer, self.inner, dim)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PermIndex:
+    """An index tensor perm // k of a sort's permutation perm (k = 1: perm itself)."""
+    sort: fx.Node
+    k: int = 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class InversePerm:
+    """The inverse of a sort's permutation (an iota scattered to perm): indexing rows sorted by that sort with
+    it puts them back in sample order."""
+    sort: fx.Node
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupOffsets:
+    """Counts (``cumulative`` False) or their cumulative sums, the offsets a grouped matmul takes, of a sort's
+    keys in ``groups`` bins, each key proven in range: sorted row r then lies in group key[r], its own
+    sample's routing, whatever the other samples' rows are."""
+    sort: fx.Node
+    groups: int
+    cumulative: bool
+
+
+ROW_ORDER_STATES = (Permuted, PermIndex, InversePerm, GroupOffsets)
+
+
+def is_per_sample(s: Any) -> bool:
+    """A value whose rows each belong to one sample: in sample order (Batched) or sorted across the batch."""
+    return isinstance(s, (Batched, Permuted))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Reduced:
     origin: fx.Node
 
@@ -76,7 +124,7 @@ def bytes_at_expected_batch(node: fx.Node, states: dict, B: Any, expected_batch_
     decisions. None when a size is symbolic beyond the batch (or data-dependent)."""
     v = node.meta["val"]
     try:
-        if not isinstance(states.get(node), Batched):
+        if not is_per_sample(states.get(node)):
             return int(v.numel()) * v.element_size()
         per_sample = 0 if known(B == 0) else int(v.numel() // B)
     except Exception:

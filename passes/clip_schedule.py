@@ -24,8 +24,9 @@ from dpcompile.buffer_reuse import mark_second_backward
 from dpcompile.errors import DPCompileError
 from dpcompile.fx_utils import GraphBuilder, module_of, op_name
 
-from .batch_state import FREE, Batched, Contribution, bytes_at_expected_batch
+from .batch_state import FREE, Batched, Contribution, Permuted, bytes_at_expected_batch
 from .context import DPPassContext
+from .grouped_norms import row_samples
 from .inplace_row_masks import ROW_MASK
 
 aten = torch.ops.aten
@@ -35,6 +36,13 @@ def sample_layout(b: GraphBuilder, lay: Batched, v: fx.Node, B: Any, ndim: int, 
     """v (one value per sample) laid out along dim d of an ndim-dim tensor: shape [1, .., N, .., 1]. Built once
     per layout for all the operands that share it (``b.memo``): GPT-2-small's bk asked for 321 layouts of r and
     keep, of a few kinds, each three nodes for the partitioner and Inductor to go through."""
+    if isinstance(lay, Permuted):  # rows sorted across the batch: v of each row's sample
+        key = ("row_layout", v, lay.sort, str(lay.inner), str(B), ndim, d)
+        if key not in b.memo:
+            shape = [1] * ndim
+            shape[d] = N
+            b.memo[key] = b.reshape(b.call(aten.index.Tensor, v, [row_samples(b, lay, B)]), shape)
+        return b.memo[key]
     key = ("sample_layout", v, str(B), ndim, d, str(N), str(lay.outer), str(lay.inner))
     if key not in b.memo:
         R = b.call(aten.expand.default, b.view(v, [1, B, 1]), [lay.outer, B, lay.inner])
@@ -88,7 +96,7 @@ def _row_elements(v: fx.Node, lay: Batched) -> int | None:
 
 def _tangent_position(c: Contribution, positions: dict[int, Batched]) -> int:
     """The argument position of a contribution's operand that is linear in the loss tangent."""
-    return c.scaled_operand if c.kind in ("mm", "bmm", "conv") else next(iter(positions))
+    return c.scaled_operand if c.kind in ("mm", "bmm", "conv", "grouped") else next(iter(positions))
 
 
 def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
@@ -98,7 +106,7 @@ def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
     states, not the logits' gradient); on a tie the one not linear in the tangent, since the tangent side is
     always made by the backward itself, and so can be masked in place, where the other may be a saved
     activation."""
-    if c.kind not in ("mm", "bmm", "conv") or len(positions) != 2:
+    if c.kind not in ("mm", "bmm", "conv", "grouped") or len(positions) != 2:
         return _tangent_position(c, positions)
     args = c.node.args
     other = next(i for i in positions if i != c.scaled_operand)
@@ -120,6 +128,8 @@ def _operand_positions(c: Contribution) -> dict[int, Batched]:
         return {0: c.layouts[0]}
     if c.kind == "conv":  # output gradient and input
         return {0: c.layouts[0], 1: c.layouts[1]}
+    if c.kind == "grouped":  # the sorted rows and their output gradient
+        return dict(c.layouts)
     raise AssertionError(c.kind)
 
 
@@ -184,7 +194,7 @@ CONV_FROM_ROWS = "the per-sample gradients the conv norm kernel kept (conv_weigh
 def _gradient_of(c: Contribution) -> fx.Node:
     """The node whose value is c's gradient: c's node, or for a convolution_backward (a tuple) its weight
     gradient's getitem."""
-    if c.kind != "conv":
+    if c.kind != "conv" and not isinstance(c.node.meta["val"], (tuple, list)):
         return c.node
     (item,) = [u for u in c.node.users if u.target is operator.getitem and u.args[1] == 1]
     return item
@@ -241,7 +251,7 @@ def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
     nothing more (its clipped gradient is read from them)."""
     if c in ctx.sample_rows:
         return 0
-    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "bmm", "sum", "embedding_backward", "conv") else \
+    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "bmm", "sum", "embedding_backward", "conv", "grouped") else \
         c.extra["values"]
     nbytes = bytes_at_expected_batch(op, ctx.states, ctx.batch_size, ctx.options.expected_batch_size)
     return 1 << 62 if nbytes is None else nbytes
@@ -345,7 +355,12 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
             new = scaled_contribution(b, c, r, B, keep, shared=operands, states=ctx.states, scaled_at=at,
                                       in_place_masks=True)
             ctx.counters["bk_operand_copies"] += len(operands) - before
-            c.node.replace_all_uses_with(new)
+            if isinstance(c.node.meta["val"], (tuple, list)) and c.kind == "grouped":
+                # (x's gradient, w's): the backward goes on with the unscaled first, w's gradient is the clipped
+                item = _gradient_of(c)
+                item.replace_all_uses_with(b.call(operator.getitem, new, item.args[1]))
+            else:
+                c.node.replace_all_uses_with(new)
             ctx.counters["bk_deferred_contractions"] += 1
     # one cast of a clipped row sum per dtype its parameters' gradients are in (_sum_from_rows)
     casts = sum(isinstance(k, tuple) for k in clipped_rows)
@@ -374,7 +389,8 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
 def _describe_scaled(c: Contribution, i: int) -> str:
     """The operand at position i of a deferred contribution, which bk scales by the clip coefficients, and its
     shape."""
-    role = "the input" if c.kind in ("mm", "bmm", "conv") and i != c.scaled_operand else "the output gradient"
+    role = "the input" if c.kind in ("mm", "bmm", "conv", "grouped") and i != c.scaled_operand else \
+        "the output gradient"
     shape = [str(s) for s in c.node.args[i].meta["val"].shape] if isinstance(c.node.args[i], fx.Node) else []
     return f"{role} [{', '.join(shape)}]"
 

@@ -36,8 +36,9 @@ from dpcompile.fx_utils import GraphBuilder, known
 from . import conv_norms
 from .sample_factors import (add_all as _add_all, bmm_f32, ids_in_range, sample_major, spans as _spans,
                              transpose12 as _transpose12)
-from .batch_state import Batched, Contribution, masked_operand
+from .batch_state import Batched, Contribution, Permuted, masked_operand
 from .context import DPPassContext
+from .grouped_norms import GroupedNorms, in_sample_order
 from .shared_norms import outer_terms, shared_sq
 from .param_grads import MATRIX_PRODUCTS, NORM_PRESERVING, SCATTER_ADD, SUMS_AND_BROADCASTS, ParamGrad
 from .tensor_parallel import is_tp_collective
@@ -463,6 +464,9 @@ class NormBuilder:
         if pad is not None and pad >= 0:
             keep = b.call(aten.unsqueeze.default, b.call(aten.ne.Scalar, idx, pad), -1)
             v = b.call(aten.where.self, keep, v, b.call(aten.scalar_tensor.default, 0.0, dtype=v.meta["val"].dtype))
+        if isinstance(lay, Permuted):  # rows sorted across the batch: put back in sample order first
+            v, _ = in_sample_order(b, v, lay)
+            idx, lay = in_sample_order(b, idx, lay)
         V = sample_major(b, v, lay, list(range(nidx, nval)), self.B)  # [B, S, D], in v's dtype
         I = sample_major(b, idx, lay, [], self.B)  # [B, S, 1]
         return V, I
@@ -498,6 +502,8 @@ class NormBuilder:
             return self.emb_sq(c), "embedding_ghost", "token equality: sum_{s,t}[id_s = id_t]<g_s, g_t>"
         if c.kind == "conv":
             return self.conv_sq(c)
+        if c.kind == "grouped":
+            return GroupedNorms(self).sq(c)
         raise AssertionError(c.kind)
 
     def materialize(self, c: Contribution) -> fx.Node:
@@ -507,6 +513,8 @@ class NormBuilder:
             return self.sum_materialize(c)
         if c.kind == "conv":
             return self.conv_materialize(c)
+        if c.kind == "grouped":
+            return GroupedNorms(self).materialize(c)
         return self.emb_materialize(c)
 
 

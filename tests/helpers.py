@@ -28,16 +28,19 @@ def compile_step(model, per_sample_loss, *, reduction="mean", **options):
 
 
 def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule, reduction="mean",
-                            rtol=1e-5, atol=1e-7, **extra):
-    """Picks C so that clipping is active (some samples above C, some below when B > 1)."""
+                            rtol=1e-5, atol=1e-7, oracle=None, **extra):
+    """Picks C so that clipping is active (some samples above C, some below when B > 1). ``oracle``: the model
+    the reference runs instead of ``model``, the same function with the same parameter names (a form of the
+    layer that vmap can run)."""
     B = inputs[0].shape[0]
-    _, norms = dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=1.0, reduction=reduction,
+    ref_model = model if oracle is None else oracle
+    _, norms = dp_reference(ref_model, per_sample_loss, inputs, targets, max_grad_norm=1.0, reduction=reduction,
                             expected_batch_size=B)
     finite = norms[norms.isfinite()]
     C = float(finite.median()) if len(finite) > 1 else float(finite[0]) * 0.5 if len(finite) else 1.0
     if len(finite) > 1:
         assert (norms > C).any() and (norms < C).any(), norms
-    ref, _ = dp_reference(model, per_sample_loss, inputs, targets, max_grad_norm=C, reduction=reduction,
+    ref, _ = dp_reference(ref_model, per_sample_loss, inputs, targets, max_grad_norm=C, reduction=reduction,
                           expected_batch_size=B + 1)
     model.zero_grad(set_to_none=True)
     step, backend = compile_step(model, per_sample_loss, reduction=reduction, max_grad_norm=C, noise_multiplier=0.0,

@@ -272,6 +272,33 @@ MODELS = {
     "mixtral_grouped": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
                           max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
                           experts_implementation="grouped_mm"),
+    # more routed-experts families in their default grouped form, each with a batched_mm twin for its oracle:
+    # Qwen2-MoE (a gated shared expert), Qwen3-MoE, OLMoE, GPT-OSS (expert biases, a clamped gate, attention
+    # sinks), DeepSeek-V3 (group-limited routing, a shared expert, latent attention), PhiMoE (sparsemixer routing)
+    **{f"{name}_{form}": hf(cfg, model, "lm", **kw, experts_implementation=impl)
+       for name, (cfg, model, kw) in {
+           "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                         dict(**BLOCK, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                              max_position_embeddings=16)),
+           "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                         dict(**BLOCK, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=8, max_position_embeddings=16)),
+           "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+                     dict(**BLOCK, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=16)),
+           "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                       dict(**BLOCK, num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=16, layer_types=["full_attention"])),
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                           dict(**BLOCK, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=8, n_shared_experts=1, n_group=2, topk_group=1,
+                                first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+                                qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=16)),
+           "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+                      dict(**BLOCK, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=16)),
+       }.items() for form, impl in (("grouped", "grouped_mm"), ("bmm", "batched_mm"))},
     "deberta_v2": hf("DebertaV2Config", "DebertaV2ForSequenceClassification", "cls", max_position_embeddings=16,
                      relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"], **BLOCK, **NO_DROP),
     "mobilebert": hf("MobileBertConfig", "MobileBertForSequenceClassification", "cls", hidden_size=16,
@@ -443,13 +470,16 @@ MODELS = {
 # models whose oracle runs on another model of the zoo with the same parameters and the same function, written
 # with ops float64 has (the oracle's precision)
 # (reentrant checkpointing cannot run under torch.autograd.grad, which the oracle's per-sample backward uses)
-ORACLE_TWIN = {"mixtral_grouped": "mixtral_bmm", "llama_checkpointed_reentrant": "llama_checkpointed"}
+ORACLE_TWIN = {"mixtral_grouped": "mixtral_bmm", "llama_checkpointed_reentrant": "llama_checkpointed",
+               **{f"{n}_grouped": f"{n}_bmm" for n in ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3",
+                                                       "phimoe")}}
 
 
 def _twin_oracle(name: str, oracle):
     """``oracle`` run on ORACLE_TWIN[name] holding the given model's parameters."""
     def run(model, *args, **kwargs):
-        twin = MODELS[ORACLE_TWIN[name]][0]().train()
+        with torch.random.fork_rng():  # the twin's random init draws nothing from the stream the step then reads
+            twin = MODELS[ORACLE_TWIN[name]][0]().train()  # (PhiMoE's router draws random numbers in training)
         twin.load_state_dict(model.state_dict())
         return oracle(twin, *args, **kwargs)
 

@@ -223,6 +223,73 @@ class RoutedExperts(nn.Module):
         return self.head(mixed.view(x.shape) + x)
 
 
+class SortedExpertsLayer(nn.Module):
+    """One routed-experts layer in the grouped form, Hugging Face's default (experts_implementation="grouped_mm",
+    transformers.integrations.moe): the batch's (token, expert) pairs sorted by expert across the whole batch,
+    each expert's block of rows through its weight by one grouped matmul whose offsets count the sorted ids
+    (histc, cumsum), the rows put back in sample order. Compiled, the grouped matmul is torch._grouped_mm in bf16
+    and transformers' custom op otherwise (torch._grouped_mm takes bf16 only); run eagerly (the oracle: vmap
+    cannot run the custom op's loop on the host) each sorted row is multiplied by its expert's weight gathered, the
+    same sums. ``invert``, how the sort is undone: "iota" (an arange scattered to the permutation, as
+    transformers does), "argsort" (the permutation's argsort) or "scatter" (the rows written back at the
+    permutation)."""
+
+    def __init__(self, d, hidden, experts, top_k, invert):
+        super().__init__()
+        self.top_k, self.experts, self.invert = top_k, experts, invert
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, d) / math.sqrt(d))  # [E, out, in], read transposed
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, d) / math.sqrt(hidden))  # [E, in, out]
+        if invert not in ("iota", "argsort", "scatter"):
+            raise ValueError(invert)
+        import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    def _grouped(self, rows, w, offs, ids):
+        if not torch.compiler.is_compiling():
+            return torch.bmm(rows.unsqueeze(1), w[ids]).squeeze(1)
+        if w.dtype == torch.bfloat16:
+            return torch._grouped_mm(rows, w, offs=offs)
+        return torch.ops.transformers.grouped_mm_fallback(rows, w, offs)
+
+    def forward(self, h):  # [N, d] tokens
+        weights, chosen = self.router(h).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        ids, perm = torch.sort(chosen.reshape(-1))
+        rows = h[perm // self.top_k]
+        offs = None
+        if torch.compiler.is_compiling():
+            counts = torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1)
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        up = F.silu(self._grouped(rows, self.w_in.transpose(-2, -1), offs, ids))
+        down = self._grouped(up, self.w_out, offs, ids) * weights.reshape(-1)[perm].unsqueeze(-1)
+        if self.invert == "iota":
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(perm.numel(), device=perm.device)
+            down = down[inv]
+        elif self.invert == "argsort":
+            down = down[perm.argsort()]
+        else:
+            down = torch.zeros_like(down).index_put((perm,), down)
+        return h + down.view(-1, self.top_k, h.shape[-1]).sum(1)
+
+
+class SortedExperts(nn.Module):
+    """Three routed-experts layers in the grouped form (SortedExpertsLayer), one per way of undoing the sort,
+    three experts each (uneven shards on 2 ranks), top-2."""
+
+    def __init__(self, d=6, hidden=8, n_out=3, experts=3, top_k=2):
+        super().__init__()
+        self.layers = nn.ModuleList(SortedExpertsLayer(d, hidden, experts, top_k, invert)
+                                    for invert in ("iota", "argsort", "scatter"))
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, x):  # [B, S, d] -> [B, S, n_out]
+        h = x.reshape(-1, x.shape[-1])
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.view(x.shape))
+
+
 class PerHeadNet(nn.Module):
     """Per-head weights that share a batch dim with the activations: einsum("bhsd,hde->bhse") is a batched matmul
     over the heads whose weight gradient contracts each head's sample rows (a "bmm" contribution); also with one

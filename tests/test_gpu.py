@@ -28,8 +28,8 @@ _clipped_on_cuda = functools.partial(clipped_on, "cuda")
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost", "auto"])
 @pytest.mark.parametrize("case", ["mlp_2d", "norms", "embedding_padding", "gpt", "llama", "conv_kinds",
-                                  "routed_experts", "spectral_norm", "recurrent", "sequence_ops", "sample_indexed",
-                                  "fourier_mixer", "spatial_transformer"])
+                                  "routed_experts", "sorted_experts", "spectral_norm", "recurrent", "sequence_ops",
+                                  "sample_indexed", "fourier_mixer", "spatial_transformer"])
 def test_cuda_matches_reference(case, schedule):
     c = CASES[case]
     inputs, targets = c.data(4)
@@ -43,7 +43,8 @@ def test_cuda_matches_reference(case, schedule):
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
-@pytest.mark.parametrize("case", ["gpt", "llama", "norms", "conv_kinds", "embedding_padding", "routed_experts"])
+@pytest.mark.parametrize("case", ["gpt", "llama", "norms", "conv_kinds", "embedding_padding", "routed_experts",
+                                  "sorted_experts"])
 def test_cuda_unbacked_batch_matches_reference(case, schedule):
     """One graph for every batch size, as sharded and Poisson-sampled steps compile it (the batch unbacked,
     with Inductor's hint): batches of 5, 3 and 1 through one compile, each exact against the fp64 oracle. On
@@ -274,6 +275,20 @@ def test_cuda_normals_reach_the_gaussian_tails():
     import noise_kernel_check
 
     noise_kernel_check.assert_tails(noise_kernel_check.tail_cases("cuda"))
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_cuda_bf16_grouped_matmuls_of_sorted_experts(schedule):
+    """Routed experts in the grouped form in bf16 (tests/test_sorted_experts.py): torch._grouped_mm through
+    Inductor's CUDA lowering, forward, input gradient and the grouped weight gradient over sorted rows."""
+    torch.manual_seed(0)
+    model = M.SortedExperts(d=16, hidden=32).to(torch.bfloat16)
+    x, y = torch.randn(4, 5, 16).bfloat16(), torch.randn(4, 5, 3)
+    ref, gpu, backend = _clipped_on_cuda(model, M.mse, (x,), (y,), schedule=schedule)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert "aten._grouped_mm" in record.graphs["joint_graph_after_dp"]
+    assert sum(v for k, v in record.counters.items() if k.startswith("norm_grouped_")) == 6, record.counters
+    assert_bf16_close(gpu, ref)
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])

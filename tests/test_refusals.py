@@ -588,28 +588,52 @@ def test_a_scatter_along_the_sample_dim_is_refused():
                    "aten.scatter", "scatters along the sample dim", "SampleScatter")
 
 
-class SortedExperts(nn.Module):
-    """Routed experts in the grouped form (Hugging Face's ``experts_implementation="grouped_mm"``): the tokens of
-    the whole batch sorted by expert, each applied to its expert's weight, then put back in order."""
+class SortedTokens(nn.Module):
+    """Tokens sorted across the batch by a router's choice (as routed experts in the grouped form do), then
+    something the row-order analysis cannot follow (passes.rules.row_order): ``how`` says what."""
 
-    def __init__(self, d: int = 4, experts: int = 3):
+    def __init__(self, how: str, d: int = 4, experts: int = 3):
         super().__init__()
+        self.how = how
         self.router = nn.Linear(d, experts)
         self.w = nn.Parameter(torch.randn(experts, d, d) / d)
 
     def forward(self, x):  # [B, T, d]
-        tokens = x.flatten(0, 1)
-        expert = self.router(tokens).argmax(-1)
-        order = expert.argsort()
-        out = torch.bmm(tokens[order][:, None], self.w[expert[order]])[:, 0]
-        return (out[order.argsort()] * self.router(tokens).softmax(-1).amax(-1, keepdim=True)).view_as(x)
+        tokens = (x @ self.w[0]).flatten(0, 1)
+        key = self.router(tokens).argmax(-1)
+        if self.how == "keys_unbounded":  # keys that are not a router's choice: no range to count them in
+            key = (tokens.sum(-1) * 3).long()
+        # a descending sort: the offsets count groups from the lowest id, so a row's group is not its own id
+        ids, order = torch.sort(key, descending=self.how == "descending")
+        rows = tokens[order]
+        if self.how == "sample_order":  # sorted rows added to rows in sample order: each row another sample's
+            return (rows + tokens).view_as(x)
+        if self.how == "cumsum":  # a running sum down the sorted rows: every row reads the rows before it
+            return rows.cumsum(0)[order.argsort()].view_as(x)
+        offs = torch.cumsum(torch.histc(ids.float(), bins=3, min=0, max=2), 0, dtype=torch.int32)
+        if self.how == "offsets_not_counted":  # offsets of fixed sizes: a row's group is not its own key
+            offs = torch.tensor([2, 5, rows.shape[0]], dtype=torch.int32) + 0 * offs
+        import transformers.integrations.moe  # noqa: F401
+        out = torch.ops.transformers.grouped_mm_fallback(rows, self.w, offs)
+        return out[order.argsort()].view_as(x)
 
 
-def test_experts_on_tokens_sorted_across_the_batch_are_refused():
-    """The sort moves tokens between samples' rows: refused at the sort (tests/model_zoo.py mixtral_grouped)."""
+@pytest.mark.parametrize("how,fragments", [
+    ("keys_unbounded", ("aten.histc", "not proven to lie in a known range")),
+    ("sample_order", ("aten.add", "combines rows sorted across the batch with rows in sample order")),
+    ("cumsum", ("aten.cumsum", "mixes rows sorted across the batch")),
+    ("offsets_not_counted", ("grouped_mm_fallback", "offsets not counted from their sort's keys")),
+    ("descending", ("aten.histc", "descending sort")),
+])
+def test_tokens_sorted_across_the_batch_where_rows_meet_other_rows_are_refused(how, fragments):
+    """Sorted rows are followed row by row (tests/test_sorted_experts.py); where a row's value would depend on
+    another sample's (its place in a running sum, its group from offsets not counted from the keys, an add to
+    the row of another sample, groups counted in the other order), the step is refused naming the op."""
+    import transformers.integrations.moe  # noqa: F401  (before dynamo traces the import)
+
     x = torch.randn(4, 3, 4)
-    expect_refusal(lambda: run(SortedExperts(), lambda m, x: m(x).pow(2).sum((1, 2)).mean(), (x,)),
-                   "aten.sort", "mixes samples", "SortedExperts")
+    expect_refusal(lambda: run(SortedTokens(how), lambda m, x: m(x).pow(2).sum((1, 2)).mean(), (x,)),
+                   *fragments, "SortedTokens")
 
 
 class SampleFlip(nn.Module):

@@ -12,6 +12,7 @@ import torch.fx as fx
 from dpcompile.fx_utils import known
 
 from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim, norm_dim
+from . import row_order
 
 if TYPE_CHECKING:
     from ..batch_dims import BatchDimAnalysis
@@ -86,6 +87,9 @@ def _along_dim(an, node):
         k = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
     multi = isinstance(node.meta["val"], (tuple, list))
     if s.dim is not None and norm_dim(k, ndim(x)) == s.dim:
+        rows = row_order.sort_rows(an, node) if packet is aten.sort else None
+        if rows is not None:
+            return rows  # rows sorted across the batch, tracked by their permutation
         m = Mixed(node, f"{packet.__name__} along the sample dim")
         return tuple(m for _ in node.meta["val"]) if multi else m
     return tuple(s for _ in node.meta["val"]) if multi else s

@@ -112,6 +112,28 @@ def _where(e: BaseException) -> str:
            f"{f.lineno} ({f.name})"
 
 
+def grouped_fallback_has_backward_op() -> bool:
+    """Whether transformers' grouped_mm_fallback (its routed experts' grouped matmul outside bf16) has a backward
+    op of its own, which a training step can trace: older releases loop over the expert offsets on the host in
+    its backward (transformers 5.24 has the op)."""
+    return hasattr(torch.ops.transformers, "grouped_mm_fallback_backward")
+
+
+def _hint(gm: fx.GraphModule, e: BaseException) -> str:
+    """What to do about a failure a known third-party form causes."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    fallback = any("transformers.grouped_mm_fallback" in str(n.target) for n in gm.graph.nodes)
+    if fallback and isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode)) and \
+            not grouped_fallback_has_backward_op():
+        return ("\n  What to do: this transformers release's grouped_mm_fallback (routed experts outside bf16) "
+                "reads the expert offsets on the host in its backward, which no compiled training step can trace "
+                "(stock torch.compile fails the same). Upgrade transformers (5.24 has its grouped_mm_fallback_backward "
+                "op), train the experts in bf16 (torch._grouped_mm), or pass experts_implementation=\"batched_mm\".")
+    return ""
+
+
 def _source_name(grapharg) -> str:
     src = getattr(grapharg, "source", None)
     if src is None:
@@ -656,7 +678,7 @@ class DPBackend:
                 raise
             raise DPCompileError(
                 f"dp_fsdp failed to compile the step ({type(e).__name__}: {e}{_where(e)}). dpcompile refuses to "
-                f"fall back to eager execution, which would produce non-private gradients."
+                f"fall back to eager execution, which would produce non-private gradients.{_hint(gm, e)}"
             ) from e
 
     def _codegen_patches(self, *, collectives: bool) -> dict:

@@ -74,12 +74,13 @@ def all_cpp_wrapper_codes(codes) -> bool:
     return bool(codes) and all("cpp_wrapper" in c or 'extern "C"' in c for c in codes)
 
 
-def clipped_on(device, model, loss, inputs, targets, **options):
+def clipped_on(device, model, loss, inputs, targets, oracle=None, **options):
     """The fp64 oracle (C = median norm, clipping active) and dp_fsdp's step on a copy of ``model`` on
-    ``device``: (oracle gradients, the copy, its backend)."""
-    _, norms = dp_reference(model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
+    ``device``: (oracle gradients, the copy, its backend). ``oracle``: as check_against_reference's."""
+    ref_model = model if oracle is None else oracle
+    _, norms = dp_reference(ref_model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
     C = float(norms.median())
-    ref, _ = dp_reference(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
+    ref, _ = dp_reference(ref_model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
     dp = copy.deepcopy(model).to(device)
     backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, **options)
 

@@ -223,6 +223,19 @@ class RoutedExperts(nn.Module):
         return self.head(mixed.view(x.shape) + x)
 
 
+def grouped_fallback_traceable() -> bool:
+    """Whether this transformers release's grouped_mm_fallback (the grouped matmul outside bf16) can be traced
+    in a training step: older releases loop over the expert offsets on the host in its backward (stock
+    torch.compile fails there too, and dpcompile says what to do); transformers 5.24 has a backward op."""
+    try:
+        import transformers.integrations.moe  # noqa: F401  (registers the ops)
+    except ImportError:
+        return False
+    from dpcompile.backend import grouped_fallback_has_backward_op
+
+    return grouped_fallback_has_backward_op()
+
+
 class SortedExpertsLayer(nn.Module):
     """One routed-experts layer in the grouped form, Hugging Face's default (experts_implementation="grouped_mm",
     transformers.integrations.moe): the batch's (token, expert) pairs sorted by expert across the whole batch,

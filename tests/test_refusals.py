@@ -592,7 +592,7 @@ class SortedTokens(nn.Module):
     """Tokens sorted across the batch by a router's choice (as routed experts in the grouped form do), then
     something the row-order analysis cannot follow (passes.rules.row_order): ``how`` says what."""
 
-    def __init__(self, how: str, d: int = 4, experts: int = 3):
+    def __init__(self, how: str, d: int = 8, experts: int = 3):
         super().__init__()
         self.how = how
         self.router = nn.Linear(d, experts)
@@ -613,8 +613,7 @@ class SortedTokens(nn.Module):
         offs = torch.cumsum(torch.histc(ids.float(), bins=3, min=0, max=2), 0, dtype=torch.int32)
         if self.how == "offsets_not_counted":  # offsets of fixed sizes: a row's group is not its own key
             offs = torch.tensor([2, 5, rows.shape[0]], dtype=torch.int32) + 0 * offs
-        import transformers.integrations.moe  # noqa: F401
-        out = torch.ops.transformers.grouped_mm_fallback(rows, self.w, offs)
+        out = torch._grouped_mm(rows, self.w, offs=offs)  # (bf16: rows of 16 bytes)
         return out[order.argsort()].view_as(x)
 
 
@@ -622,18 +621,16 @@ class SortedTokens(nn.Module):
     ("keys_unbounded", ("aten.histc", "not proven to lie in a known range")),
     ("sample_order", ("aten.add", "combines rows sorted across the batch with rows in sample order")),
     ("cumsum", ("aten.cumsum", "mixes rows sorted across the batch")),
-    ("offsets_not_counted", ("grouped_mm_fallback", "offsets not counted from their sort's keys")),
+    ("offsets_not_counted", ("aten._grouped_mm", "offsets not counted from their sort's keys")),
     ("descending", ("aten.histc", "descending sort")),
 ])
 def test_tokens_sorted_across_the_batch_where_rows_meet_other_rows_are_refused(how, fragments):
     """Sorted rows are followed row by row (tests/test_sorted_experts.py); where a row's value would depend on
     another sample's (its place in a running sum, its group from offsets not counted from the keys, an add to
     the row of another sample, groups counted in the other order), the step is refused naming the op."""
-    import transformers.integrations.moe  # noqa: F401  (before dynamo traces the import)
-
-    x = torch.randn(4, 3, 4)
-    expect_refusal(lambda: run(SortedTokens(how), lambda m, x: m(x).pow(2).sum((1, 2)).mean(), (x,)),
-                   *fragments, "SortedTokens")
+    x = torch.randn(4, 3, 8).bfloat16()
+    expect_refusal(lambda: run(SortedTokens(how).bfloat16(), lambda m, x: m(x).float().pow(2).sum((1, 2)).mean(),
+                               (x,)), *fragments, "SortedTokens")
 
 
 class SampleFlip(nn.Module):

@@ -73,10 +73,12 @@ class InversePerm:
 class GroupOffsets:
     """Counts (``cumulative`` False) or their cumulative sums, the offsets a grouped matmul takes, of a sort's
     keys in ``groups`` bins, each key proven in range: sorted row r then lies in group key[r], its own
-    sample's routing, whatever the other samples' rows are."""
-    sort: fx.Node
+    sample's routing, whatever the other samples' rows are. Counted before the sort (``sort`` None): ``keys``
+    is the tensor counted (through views and casts), which a sort of the same keys matches."""
+    sort: fx.Node | None
     groups: int
     cumulative: bool
+    keys: fx.Node | None = None
 
 
 ROW_ORDER_STATES = (Permuted, PermIndex, InversePerm, GroupOffsets)

@@ -245,7 +245,7 @@ class SortedExpertsLayer(nn.Module):
     cannot run the custom op's loop on the host) each sorted row is multiplied by its expert's weight gathered, the
     same sums. ``invert``, how the sort is undone: "iota" (an arange scattered to the permutation, as
     transformers does), "argsort" (the permutation's argsort) or "scatter" (the rows written back at the
-    permutation)."""
+    permutation, and the offsets counted from the ids before their sort, as torchtitan does)."""
 
     def __init__(self, d, hidden, experts, top_k, invert):
         super().__init__()
@@ -271,7 +271,9 @@ class SortedExpertsLayer(nn.Module):
         rows = h[perm // self.top_k]
         offs = None
         if torch.compiler.is_compiling():
-            counts = torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1)
+            # transformers counts the sorted ids; torchtitan the ids before the sort, its histogram up to E
+            counted, top = (ids, self.experts - 1) if self.invert != "scatter" else (chosen.view(-1), self.experts)
+            counts = torch.histc(counted.float(), bins=self.experts, min=0, max=top)
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
         up = F.silu(self._grouped(rows, self.w_in.transpose(-2, -1), offs, ids))
         down = self._grouped(up, self.w_out, offs, ids) * weights.reshape(-1)[perm].unsqueeze(-1)

@@ -613,6 +613,9 @@ class SortedTokens(nn.Module):
         offs = torch.cumsum(torch.histc(ids.float(), bins=3, min=0, max=2), 0, dtype=torch.int32)
         if self.how == "offsets_not_counted":  # offsets of fixed sizes: a row's group is not its own key
             offs = torch.tensor([2, 5, rows.shape[0]], dtype=torch.int32) + 0 * offs
+        if self.how == "other_keys_counted":  # the counts of another router's choices
+            other = self.router(tokens).argmin(-1)
+            offs = torch.cumsum(torch.histc(other.float(), bins=3, min=0, max=2), 0, dtype=torch.int32)
         out = torch._grouped_mm(rows, self.w, offs=offs)  # (bf16: rows of 16 bytes)
         return out[order.argsort()].view_as(x)
 
@@ -623,6 +626,7 @@ class SortedTokens(nn.Module):
     ("cumsum", ("aten.cumsum", "mixes rows sorted across the batch")),
     ("offsets_not_counted", ("aten._grouped_mm", "offsets not counted from their sort's keys")),
     ("descending", ("aten.histc", "descending sort")),
+    ("other_keys_counted", ("aten._grouped_mm", "offsets not counted from their sort's keys")),
 ])
 def test_tokens_sorted_across_the_batch_where_rows_meet_other_rows_are_refused(how, fragments):
     """Sorted rows are followed row by row (tests/test_sorted_experts.py); where a row's value would depend on

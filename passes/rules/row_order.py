@@ -116,7 +116,8 @@ def _describe(s) -> str:
     return str(s)
 
 
-def _rows(states) -> Permuted:
+def _rows(states) -> Permuted | None:
+    """The one row order of these states (the first Permuted), or None where two differ."""
     perms = [s for s in states if isinstance(s, Permuted)]
     first = perms[0]
     for p in perms[1:]:
@@ -324,23 +325,38 @@ def key_bound(x: fx.Node) -> Any:
     return None
 
 
+def key_source(x: fx.Node) -> fx.Node:
+    """x through views, reshapes, copies and exact casts: tensors with one source hold one multiset of values,
+    so their counts per value agree."""
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _INDEX_SOURCES and \
+            x.meta["val"].dtype in _EXACT_DTYPES:
+        x = x.args[0]
+    return x
+
+
 def _histc(an, node: fx.Node) -> Any:
+    """Counts of a router's choices in bins that hold every choice: of a sort's keys (Permuted keys) or of the
+    keys before they are sorted (rows in sample order: the counts torchtitan takes), which the grouped
+    matmul's rule matches to the sort of the same keys."""
     x = node.args[0]
     s = an.st(x)
     bins, lo, hi = (list(node.args[1:]) + [100, 0, 0][len(node.args) - 1:])[:3]
     bins, lo, hi = node.kwargs.get("bins", bins), node.kwargs.get("min", lo), node.kwargs.get("max", hi)
-    if not (isinstance(s, Permuted) and s.keys):
+    if isinstance(s, Permuted) and s.keys:
+        if _descending(s.sort):  # offsets count groups in ascending order: row r's group would be another's count
+            raise _refuse(an, node, "counts the keys of a descending sort")
+        keys, sort = s.sort.args[0], s.sort
+    elif isinstance(s, Batched) and s.dim == 0 and ndim(x) == 1:
+        keys, sort = key_source(x), None
+    else:
         raise _refuse(an, node, "counts values of rows sorted across the batch other than the sort's keys")
-    if _descending(s.sort):  # offsets count groups in ascending order: row r's group would be another's count
-        raise _refuse(an, node, "counts the keys of a descending sort")
-    n = key_bound(s.sort.args[0])
+    n = key_bound(keys)
     if n is None or not isinstance(n, int):
-        raise _refuse(an, node, "counts sorted keys not proven to lie in a known range (a router's top-k "
-                                "indices)")
+        raise _refuse(an, node, "counts keys not proven to lie in a known range (a router's top-k indices)")
     if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo <= 0 and hi >= n - 1 and hi > lo):
         raise _refuse(an, node, f"counts keys in [0, {n}) into a histogram over [{lo}, {hi}] that does not "
                                 "hold them all")
-    return GroupOffsets(s.sort, int(bins), cumulative=False)
+    return GroupOffsets(sort, int(bins), cumulative=False, keys=keys if sort is None else None)
 
 
 def _cumsum(an, node: fx.Node) -> Any:
@@ -348,7 +364,7 @@ def _cumsum(an, node: fx.Node) -> Any:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if s.cumulative or dim not in (0, -1):
         raise _refuse(an, node, "accumulates group counts other than once along their groups")
-    return GroupOffsets(s.sort, s.groups, cumulative=True)
+    return GroupOffsets(s.sort, s.groups, cumulative=True, keys=s.keys)
 
 
 def _grouped_args(node: fx.Node):
@@ -358,9 +374,16 @@ def _grouped_args(node: fx.Node):
     return a, b, offs, bias
 
 
+def _counts_keys_of(so: GroupOffsets, sort: fx.Node) -> bool:
+    """Whether offsets count the keys that sort sorted, in its (ascending) order."""
+    if so.sort is not None:
+        return so.sort is sort
+    return not _descending(sort) and key_source(sort.args[0]) is so.keys
+
+
 def _offsets(an, node, offs, *rows: Permuted) -> GroupOffsets:
     so = an.st(offs)
-    if not (isinstance(so, GroupOffsets) and so.cumulative and all(r.sort is so.sort for r in rows)):
+    if not (isinstance(so, GroupOffsets) and so.cumulative and all(_counts_keys_of(so, r.sort) for r in rows)):
         raise _refuse(an, node, "runs a grouped matmul over sorted rows with offsets not counted from their "
                                 "sort's keys")
     return so
@@ -411,3 +434,7 @@ def _fallback_backward(an, node: fx.Node) -> Any:
         an.contributions[node] = Contribution(node, "grouped", {0: sx, 3: sg}, tdep[0],
                                               extra={"offs": offs, "groups": so.groups})
     return (Permuted(sg.sort, sg.outer, sg.inner, 0), Reduced(node))
+
+
+# counts of the keys in sample order (before their sort): the one op of this family with a Batched input
+RULES: dict[Any, Any] = {aten.histc: _histc}

@@ -46,6 +46,18 @@ def time_step(step, model, x, y, iters: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2 ** 30
 
 
+def profile(step, model, x, y, top: int, title: str) -> None:
+    """The top GPU kernels of one step by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(model, x, y)
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    print(f"-- {title}: top {top} GPU kernels of one step", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=90), flush=True)
+
+
 def loss_of(model, x, y):
     logits = model(x, use_cache=False).logits.float()
     per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
@@ -66,12 +78,15 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--forms", default="grouped_mm,batched_mm")
+    ap.add_argument("--modes", default="non-private,bk,ghost")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile one step of each mode and print its N costliest GPU kernels")
     args = ap.parse_args(argv)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     rows = []
     for form in args.forms.split(","):
-        for mode in ("non-private", "bk", "ghost"):
+        for mode in args.modes.split(","):
             torch._dynamo.reset()
             model = build(args, form)
 
@@ -91,6 +106,8 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 (reported)
                 rows.append({"form": form, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(json.dumps(rows[-1]), flush=True)
+            if args.profile and "ms" in rows[-1]:
+                profile(compiled, model, x, y, args.profile, f"{form} {mode}")
             del model, compiled
             torch.cuda.empty_cache()
     base = {r["form"]: r for r in rows if r["mode"] == "non-private" and "ms" in r}

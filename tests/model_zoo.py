@@ -267,8 +267,9 @@ MODELS = {
     "mixtral_bmm": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
                       max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
                       experts_implementation="batched_mm"),
-    # and as grouped matmuls over the batch's tokens sorted by expert (torch._grouped_mm: fp32, bf16 and fp16
-    # only, so its oracle runs on mixtral_bmm with the same weights: ORACLE_TWIN); run with --dtype float32
+    # and as grouped matmuls over the batch's tokens sorted by expert (transformers' default; compiled outside bf16
+    # its grouped matmul is a custom op whose loop on the host vmap cannot run, and eagerly torch._grouped_mm, which
+    # takes no float64: its oracle runs on mixtral_bmm with the same weights, ORACLE_TWIN)
     "mixtral_grouped": hf("MixtralConfig", "MixtralForCausalLM", "lm", **BLOCK, num_key_value_heads=1,
                           max_position_embeddings=16, num_local_experts=4, num_experts_per_tok=2,
                           experts_implementation="grouped_mm"),

@@ -34,7 +34,7 @@ from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_O
                           SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant,
                           loss_not_per_sample, sample_count_sum)
 from .context import DPPassContext
-from .rules import RULES, pointwise, row_order
+from .rules import row_order, rule_for
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -188,15 +188,12 @@ class BatchDimAnalysis:
                 raise self._mixing_error(node, mixed[0])
             return Mixed(mixed[0].origin, mixed[0].why)
         target = node.target
-        packet = getattr(target, "overloadpacket", None)
         reduced = [s for s in in_states if isinstance(s, Reduced)]
         if reduced:
             if any(isinstance(s, Batched) for s in in_states):
                 raise self._mixing_error(node, Mixed(reduced[0].origin, "a sum over the samples"))
             return self._reduced_rule(node, reduced[0])
-        rule = RULES.get(packet) or RULES.get(target)
-        if rule is None and isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-            rule = pointwise
+        rule = rule_for(target)
         if rule is None:
             raise self.refuse(
                 node,

@@ -94,9 +94,13 @@ def _row_elements(v: fx.Node, lay: Batched) -> int | None:
     return n if isinstance(n, int) else None
 
 
+# contributions of two per-sample operands, an input and an output gradient (scaled_operand: the latter)
+_CONTRACTIONS = ("mm", "bmm", "conv", "grouped")
+
+
 def _tangent_position(c: Contribution, positions: dict[int, Batched]) -> int:
     """The argument position of a contribution's operand that is linear in the loss tangent."""
-    return c.scaled_operand if c.kind in ("mm", "bmm", "conv", "grouped") else next(iter(positions))
+    return c.scaled_operand if c.kind in _CONTRACTIONS else next(iter(positions))
 
 
 def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
@@ -106,7 +110,7 @@ def _scaled_position(c: Contribution, positions: dict[int, Batched]) -> int:
     states, not the logits' gradient); on a tie the one not linear in the tangent, since the tangent side is
     always made by the backward itself, and so can be masked in place, where the other may be a saved
     activation."""
-    if c.kind not in ("mm", "bmm", "conv", "grouped") or len(positions) != 2:
+    if c.kind not in _CONTRACTIONS or len(positions) != 2:
         return _tangent_position(c, positions)
     args = c.node.args
     other = next(i for i in positions if i != c.scaled_operand)
@@ -192,8 +196,8 @@ CONV_FROM_ROWS = "the per-sample gradients the conv norm kernel kept (conv_weigh
 
 
 def _gradient_of(c: Contribution) -> fx.Node:
-    """The node whose value is c's gradient: c's node, or for a convolution_backward (a tuple) its weight
-    gradient's getitem."""
+    """The node whose value is c's gradient: c's node, or for a tuple-valued one (a convolution_backward,
+    transformers' grouped_mm_fallback_backward) its weight gradient's getitem."""
     if c.kind != "conv" and not isinstance(c.node.meta["val"], (tuple, list)):
         return c.node
     (item,) = [u for u in c.node.users if u.target is operator.getitem and u.args[1] == 1]
@@ -251,7 +255,7 @@ def _deferred_bytes(c: Contribution, ctx: DPPassContext) -> int:
     nothing more (its clipped gradient is read from them)."""
     if c in ctx.sample_rows:
         return 0
-    op = c.node.args[c.scaled_operand] if c.kind in ("mm", "bmm", "sum", "embedding_backward", "conv", "grouped") else \
+    op = c.node.args[c.scaled_operand] if c.kind in _CONTRACTIONS + ("sum", "embedding_backward") else \
         c.extra["values"]
     nbytes = bytes_at_expected_batch(op, ctx.states, ctx.batch_size, ctx.options.expected_batch_size)
     return 1 << 62 if nbytes is None else nbytes
@@ -389,8 +393,7 @@ def clip_schedule_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule
 def _describe_scaled(c: Contribution, i: int) -> str:
     """The operand at position i of a deferred contribution, which bk scales by the clip coefficients, and its
     shape."""
-    role = "the input" if c.kind in ("mm", "bmm", "conv", "grouped") and i != c.scaled_operand else \
-        "the output gradient"
+    role = "the input" if c.kind in _CONTRACTIONS and i != c.scaled_operand else "the output gradient"
     shape = [str(s) for s in c.node.args[i].meta["val"].shape] if isinstance(c.node.args[i], fx.Node) else []
     return f"{role} [{', '.join(shape)}]"
 

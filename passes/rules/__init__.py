@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from . import (attention, collectives, contractions, convolution, elementwise, embedding, reductions, row_order,
                sequence_losses, spatial, spectral, views)
 from .elementwise import pointwise
@@ -19,4 +21,14 @@ for _family in (views, elementwise, reductions, contractions, convolution, atten
     assert not _twice, f"ops with a rule in two families: {_twice}"
     RULES.update(_family.RULES)
 
-__all__ = ["RULES", "pointwise"]
+
+
+def rule_for(target: Any):
+    """The rule of an op: its family's, else the pointwise rule for an op tagged pointwise, else None (refused)."""
+    rule = RULES.get(getattr(target, "overloadpacket", None)) or RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        rule = pointwise
+    return rule
+
+
+__all__ = ["RULES", "pointwise", "rule_for"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.fx_utils import known
+from dpcompile.fx_utils import known, op_name
 
 from ..batch_state import (COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, GroupOffsets, InversePerm, Mixed,
                            Permuted, PermIndex, Reduced, is_zero_constant, ndim, shape_of)
@@ -39,8 +39,9 @@ _VALUE_CASTS = {prims.convert_element_type.default, aten._to_copy.default, aten.
                 aten.alias.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _EXACT_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 _INDEX_PUTS = {aten.index_put.default, aten._unsafe_index_put.default}
-FALLBACK_FORWARD = "transformers::grouped_mm_fallback"
-FALLBACK_BACKWARD = "transformers::grouped_mm_fallback_backward"
+# transformers' grouped matmul outside bf16 and its backward, by name (fx_utils.op_name): transformers registers them
+FALLBACK_FORWARD = "transformers.grouped_mm_fallback.default"
+FALLBACK_BACKWARD = "transformers.grouped_mm_fallback_backward.default"
 
 
 def sort_rows(an, node) -> Any:
@@ -62,11 +63,6 @@ def perm_of(sort: fx.Node, b=None) -> fx.Node:
     return b.call(operator.getitem, sort, 1)
 
 
-def _op_name(node: fx.Node) -> str:
-    t = node.target
-    return t.name() if isinstance(t, torch._ops.OpOverload) else str(t)
-
-
 def _refuse(an, node, why: str):
     return an.refuse(node, why, "run the experts in sample order (Hugging Face: experts_implementation="
                      "\"batched_mm\"), or file an issue with this op")
@@ -81,7 +77,7 @@ def state(an, node: fx.Node) -> Any:
         if isinstance(s, Reduced):
             raise an._mixing_error(node, Mixed(s.origin, "a sum over the samples"))
     t = node.target
-    name = _op_name(node)
+    name = op_name(node)
     if t is aten.index.Tensor:
         return _index(an, node)
     if t in _INDEX_PUTS:
@@ -130,17 +126,14 @@ def lifted(an, node: fx.Node) -> Any:
     """The ordinary rule of node's op, run with each sorted row taken for a sample of its own: the rule's
     proof that an output slice depends only on the same input slices is then the proof that each output row
     depends only on the same input row, whose sample the permutation tells."""
-    from . import RULES, pointwise
+    from . import rule_for
 
     states = {a: an.states[a] for a in node.all_input_nodes}
     rows = _rows(list(states.values()))
     if rows is None:
         raise _refuse(an, node, "combines rows of two different sorts (or of one sort laid out differently)")
     t = node.target
-    packet = getattr(t, "overloadpacket", None)
-    rule = RULES.get(packet) or RULES.get(t)
-    if rule is None and isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
-        rule = pointwise
+    rule = rule_for(t)
     if rule is None or t in COLLECTIVE_REDUCTIONS or str(getattr(t, "namespace", "")).endswith("c10d_functional"):
         raise _refuse(an, node, "this op reads rows sorted across the batch and dpcompile has no rule proving it "
                                 "keeps rows apart")

@@ -41,7 +41,9 @@ from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
-from dpcompile.compat import (conv_backward_layout_as_input, integer_equalities_decided,  # noqa: E402
+from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes_unbacked_batch,  # noqa: E402
+                              flex_dense_takes_an_empty_batch,
+                              integer_equalities_decided,
                               size_oblivious_channels_last, size_oblivious_global_avg_pool,
                               size_oblivious_log_sigmoid_backward, size_oblivious_logsumexp,
                               size_oblivious_nll_loss_nd,
@@ -159,3 +161,5 @@ size_oblivious_channels_last()
 conv_backward_layout_as_input()
 uniform_fold_skips_unbacked_guards()
 integer_equalities_decided()
+flex_backward_takes_unbacked_batch()
+flex_dense_takes_an_empty_batch()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -25,7 +26,7 @@ from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, decompositions_for_one_sample,
-                              guard_empty_y_grid, hf_expand_position_ids, hint_fusion_scores, hint_kernel_size_hints,
+                              guard_empty_y_grid, hint_fusion_scores, hint_kernel_size_hints, install_hf_shims,
                               hint_mix_order_split, reshape_indexer_refuses_unbacked_guesses,
                               rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
@@ -142,10 +143,26 @@ def _source_name(grapharg) -> str:
     return n() if callable(n) else str(n)
 
 
+_SOURCE_PART = re.compile(r"""\[(?:'([^']*)'|"([^"]*)"|(-?\d+))\]|\.(\w+)""")
+
+
 def _arg_name(source: str) -> str:
-    # L['x'] -> x ; L['batch']['ids'] -> batch.ids
-    return clean_module_path(source) if not source.startswith("L[") else \
-        ".".join(p.strip("'\"") for p in source[1:].replace("][", "|").strip("[]").split("|"))
+    # L['x'] -> x ; L['batch']['ids'] -> batch.ids ; L['xs'][0] -> xs.0 ; L['bm'].kv_indices -> bm.kv_indices
+    if not source.startswith("L["):
+        return clean_module_path(source)
+    return ".".join(next(g for g in m.groups() if g is not None) for m in _SOURCE_PART.finditer(source[1:]))
+
+
+def _module_state(grapharg) -> bool:
+    """A tensor reached through an nn.Module passed to (or closed over by) the step: a plain tensor attribute
+    of the model (a BlockMask it built once, a mask kept outside its buffers) is state the batch shares, not
+    data, whatever its shape."""
+    src = getattr(grapharg, "source", None)
+    while src is not None:
+        if "NNModuleSource" in type(src).__name__:
+            return True
+        src = getattr(src, "base", None)
+    return False
 
 
 def _is_dtensor(t) -> bool:
@@ -180,7 +197,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs, config: DPConfig) -> lis
                                   shape=tuple(example.shape)))
         elif "_buffers[" in src:
             out.append(GraphInput(i, "buffer", clean_module_path(src)))
-        elif src.startswith("L["):
+        elif src.startswith("L[") and not _module_state(ga):
             name = _arg_name(src)
             out.append(GraphInput(i, "data", name, config.batch_dim_for(name)))
         else:
@@ -633,7 +650,7 @@ class DPBackend:
         elif options:
             raise ValueError("pass either a DPConfig or keyword options, not both")
         self.config = config
-        hf_expand_position_ids()  # before dynamo traces the step (compat)
+        install_hf_shims()  # before dynamo traces the step (compat)
         self.compiled: list[CompiledStep] = []
         self.noise = NoiseSeeds(config.seed)
         self.calls = 0  # DP graph executions, checked by private_step

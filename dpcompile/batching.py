@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dpcompile.compat import hf_expand_position_ids
+from dpcompile.compat import install_hf_shims
 from dpcompile.errors import DPValueError
 
 _SHAPE_ID = "dpcompile_batch"
@@ -89,7 +89,7 @@ def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> N
         kwargs["hint_override"] = hint
     torch._dynamo.decorators.mark_unbacked(t, dim, **kwargs)
     setattr(t, _MARK, dim)
-    hf_expand_position_ids()  # third-party code that asks "is the batch 1?" where every answer is the same
+    install_hf_shims()  # third-party code that asks "is the batch 1?" where every answer is the same
 
 
 @functools.cache
@@ -106,14 +106,72 @@ def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = No
     tensors dpcompile cannot find among the arguments of the compiled
     function, before the first call. ``hint``: the typical per-rank batch
     size, for Inductor's kernel tuning; give every rank the same value.
+    A flex_attention ``BlockMask`` built for the batch (``create_block_mask(mask_mod, B, ...)``) marks its
+    tables and the tensors of the batch its mask_mod reads; one the batch shares (B=None) is not per-sample:
+    leave it unmarked (and name it in the batch_dim option).
     """
     for t in tensors:
+        if _is_block_mask(t):  # a block mask built for the batch: its tables and the data its mask_mod reads
+            mark_batch(*(v for _, v in _block_mask_tensors(t)), hint=hint)
+            continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"mark_batch takes the step's batched tensors, got {type(t).__name__}")
         if t.dim() == 0:
             raise ValueError("mark_batch: a 0-d tensor has no batch dim; leave it unmarked and set "
                              "batch_dim={'<arg name>': None} in the dp_fsdp options")
         mark_batch_unbacked(t, batch_dim % t.dim(), hint)
+
+
+def _is_block_mask(x: Any) -> bool:
+    return type(x).__name__ == "BlockMask" and hasattr(x, "as_tuple")
+
+
+# a BlockMask's tables, which flex_attention reads per row of the query's batch (dim 0 of each)
+_BLOCK_MASK_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                      "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _block_mask_tensors(mask: Any) -> list[tuple[list[str], torch.Tensor]]:
+    """A BlockMask's tables, and the tensors its mask_mod closes over (through nested closures: transformers'
+    and_masks) with the tables' batch in dim 0 (what it was built from: the ids of the batch), each with its
+    attribute path as dynamo names it (``mask_mod.__closure__.0.cell_contents``)."""
+    tables = [([a], t) for a, t in ((a, getattr(mask, a, None)) for a in _BLOCK_MASK_TABLES)
+              if isinstance(t, torch.Tensor)]
+    if not tables:
+        return []
+    batch = tables[0][1].shape[0]
+    found, seen = [], set()
+
+    def closure(fn, path, depth):
+        if depth > 4 or id(fn) in seen:
+            return
+        seen.add(id(fn))
+        for i, cell in enumerate(getattr(fn, "__closure__", None) or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            here = [*path, "__closure__", str(i), "cell_contents"]
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch:
+                found.append((here, v))
+            elif callable(v) and not isinstance(v, torch.Tensor):
+                closure(v, here, depth + 1)
+
+    closure(getattr(mask, "mask_mod", None), ["mask_mod"], 0)
+    return tables + found
+
+
+def _leaves_with_names(value: Any, tree_flatten_with_path) -> list[tuple[list[str], Any]]:
+    """The pytree leaves of an argument with the path names of the batch_dim option; a BlockMask (not a pytree
+    in torch) gives its tables, named by attribute (``mask.kv_indices``)."""
+    out = []
+    for path, leaf in tree_flatten_with_path(value)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if _is_block_mask(leaf):
+            out += [([*keys, *path], v) for path, v in _block_mask_tensors(leaf)]
+        else:
+            out.append((keys, leaf))
+    return out
 
 
 def mark_arguments(arguments: Mapping[str, Any], config, hint: int | None = None) -> bool:
@@ -127,12 +185,11 @@ def mark_arguments(arguments: Mapping[str, Any], config, hint: int | None = None
 
     marked = False
     for name, value in arguments.items():
-        for path, leaf in tree_flatten_with_path(value)[0]:
+        for path, leaf in _leaves_with_names(value, tree_flatten_with_path):
             if not isinstance(leaf, torch.Tensor) or isinstance(leaf, torch.nn.Parameter) or leaf.dim() == 0 \
                     or is_traceable_wrapper_subclass(leaf):
                 continue
-            keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-            bd = config.batch_dim_for(".".join([name, *keys]))
+            bd = config.batch_dim_for(".".join([name, *path]))
             if bd is None or not -leaf.dim() <= bd < leaf.dim() or getattr(leaf, _MARK, None) == bd % leaf.dim():
                 continue
             mark_batch_unbacked(leaf, bd % leaf.dim(), hint)

@@ -901,6 +901,146 @@ def hf_expand_position_ids() -> None:
     _wrap_once(sys.modules.get("transformers.masking_utils"), "_preprocess_mask_arguments", wrap)
 
 
+def hf_flex_padding_mask() -> None:
+    """transformers' ``flex_attention_mask`` adds the padding mask only when the attention mask has a zero
+    (``if attention_mask is not None and not fast_all(attention_mask)``): a branch on data, where dynamo breaks
+    the step (stock torch.compile too), which dp_fsdp refuses. While compiling, the wrapper adds the padding mask
+    whatever its values (an all-ones mask keeps every position it was keeping: the same block mask) and passes
+    no attention mask on, so the branch is not taken. It then calls ``create_block_mask(..., _compile=True)``,
+    whose deprecation warning dynamo breaks the step at (torch 2.13): while compiling, masking_utils'
+    create_block_mask runs without ``_compile`` (the step's compile compiles it anyway). Nothing when
+    transformers is not imported or its function is not of that form."""
+    mu = sys.modules.get("transformers.masking_utils")
+    mapping = getattr(getattr(mu, "AttentionMaskInterface", None), "_global_mapping", None)
+    original = mapping.get("flex_attention") if isinstance(mapping, dict) else None
+    if original is None or original in _HF_SEEN or getattr(original, "_dpcompile_guarded", False):
+        return
+    _HF_SEEN.add(original)
+    try:
+        source = inspect.getsource(original)
+        signature = inspect.signature(original)
+    except (OSError, TypeError, ValueError):
+        return
+    if "not fast_all(attention_mask)" not in source or \
+            "prepare_padding_mask(attention_mask, kv_length, kv_offset)" not in source or \
+            not {"attention_mask", "mask_function", "kv_length", "kv_offset"} <= set(signature.parameters):
+        return
+
+    def flex_attention_mask(*args, **kwargs):
+        import torch
+
+        if not torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["attention_mask"] is not None:
+            padding = mu.prepare_padding_mask(a["attention_mask"], a["kv_length"], a["kv_offset"])
+            a["mask_function"] = mu.and_masks(a["mask_function"], mu.padding_mask_function(padding))
+            a["attention_mask"] = None
+        return original(*bound.args, **bound.kwargs)
+
+    def uncompiled(create_block_mask):
+        def create_block_mask_in_the_step(*args, **kwargs):
+            import torch
+
+            if torch.compiler.is_compiling():
+                kwargs.pop("_compile", None)
+            return create_block_mask(*args, **kwargs)
+
+        return create_block_mask_in_the_step
+
+    _wrap_once(mu, "create_block_mask", uncompiled)
+    flex_attention_mask.__wrapped__ = original  # type: ignore[attr-defined]
+    flex_attention_mask._dpcompile_guarded = True  # type: ignore[attr-defined]
+    flex_attention_mask._dpcompile_original = original  # type: ignore[attr-defined]
+    mapping["flex_attention"] = flex_attention_mask
+
+
+def flex_backward_takes_unbacked_batch() -> None:
+    """torch's shape function (fake kernel) of ``flex_attention_backward`` decides whether key and value were
+    broadcast over the query's batch with ``Bq > 1 and Bkv == 1``. With the unbacked batch size of a sharded
+    step (or mark_batch) that is u0 > 1, which cannot be decided: the step fails, with stock torch.compile too
+    (torch 2.13). Where key and value have the query's own batch size the answer is no whatever u0 is, and the
+    wrapper gives the shapes that branch gives (the gradients of query, key and value in their inputs' stride
+    order, the mods' buffers' gradients contiguous); every other call goes to torch's function."""
+    try:
+        flex = importlib.import_module("torch._higher_order_ops.flex_attention")  # the module, not the op
+        from torch._higher_order_ops.utils import registered_hop_fake_fns
+    except ImportError:
+        return
+    hop = getattr(flex, "flex_attention_backward", None)
+    original = registered_hop_fake_fns.get(hop)
+    permute_strides = getattr(flex, "_permute_strides", None)
+    if original is None or permute_strides is None or getattr(original, "_dpcompile_guarded", False):
+        return
+    try:
+        if "Bq > 1 and Bkv == 1" not in inspect.getsource(original):
+            return
+    except (OSError, TypeError):
+        return
+
+    def flex_attention_backward_fake(query, key, value, *args, **kwargs):
+        import torch
+
+        Bq, Bkv = query.shape[0], value.shape[0]
+        if not isinstance(Bq, torch.SymInt) or not (Bkv is Bq or isinstance(Bkv, torch.SymInt)
+                                                    and Bkv.node.expr == Bq.node.expr):
+            return original(query, key, value, *args, **kwargs)
+        buffers = kwargs["score_mod_other_buffers"] if "score_mod_other_buffers" in kwargs else \
+            args[9] if len(args) > 9 else ()
+        _, Hkv, S, v_dim = value.shape
+        grad_query = permute_strides(query.new_empty(query.shape), query.stride())
+        grad_key = permute_strides(key.new_empty((Bq, Hkv, S, query.shape[-1])), key.stride())
+        grad_value = permute_strides(value.new_empty((Bq, Hkv, S, v_dim)), value.stride())
+        grad_buffers = tuple(torch.empty_like(b, memory_format=torch.contiguous_format)
+                             if isinstance(b, torch.Tensor) else None for b in buffers)
+        return grad_query, grad_key, grad_value, grad_buffers
+
+    flex_attention_backward_fake._dpcompile_guarded = True  # type: ignore[attr-defined]
+    flex_attention_backward_fake._dpcompile_original = original  # type: ignore[attr-defined]
+    registered_hop_fake_fns[hop] = flex_attention_backward_fake
+
+
+def flex_dense_takes_an_empty_batch() -> None:
+    """flex_attention's own (dense) forward and backward, which run where Inductor does not generate its kernels
+    (compiler="eager", CPU), fail on a batch of 0 samples when a mod indexes a tensor with b ("indexing
+    tensors could not be broadcast together with shapes [0], [8]", torch 2.13): a sharded step's rank with no
+    samples. With nothing to compute, the wrappers return the op's outputs from its shape function: empty
+    outputs and per-sample gradients, zero gradients of the tensors the batch shares."""
+    try:
+        flex = importlib.import_module("torch._higher_order_ops.flex_attention")
+        from torch._C import DispatchKey
+        from torch._higher_order_ops.utils import registered_hop_fake_fns
+    except ImportError:
+        return
+    for name, backward in (("flex_attention", False), ("flex_attention_backward", True)):
+        hop = getattr(flex, name, None)
+        dense = getattr(hop, "py_kernels", {}).get(DispatchKey.CompositeExplicitAutograd)
+        shapes = registered_hop_fake_fns.get(hop)
+        if dense is None or shapes is None or getattr(dense, "_dpcompile_guarded", False):
+            continue
+
+        def empty_batch(*args, _dense=dense, _shapes=shapes, _backward=backward, **kwargs):
+            if args[0].shape[0] != 0:
+                return _dense(*args, **kwargs)
+            out = _shapes(*args, **kwargs)
+            if _backward:  # the gradients of the mods' buffers: sums over no samples
+                out = (*out[:3], tuple(g.zero_() if g is not None else None for g in out[3]))
+            return out
+
+        empty_batch._dpcompile_guarded = True  # type: ignore[attr-defined]
+        empty_batch._dpcompile_original = dense  # type: ignore[attr-defined]
+        hop.py_kernels[DispatchKey.CompositeExplicitAutograd] = empty_batch
+        getattr(hop, "_dispatch_cache", {}).clear()
+
+
+def install_hf_shims() -> None:
+    """Both transformers shims above, before dynamo traces a step (idempotent, cheap when installed)."""
+    hf_expand_position_ids()
+    hf_flex_padding_mask()
+
+
 def _torch_at_least(major: int, minor: int) -> bool:
     import torch
 

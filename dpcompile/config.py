@@ -157,10 +157,16 @@ class DPConfig:
         return cls(**options)
 
     def batch_dim_for(self, arg_name: str) -> int | None:
-        """The batch dim of the data input named ``arg_name`` (None: not batched)."""
+        """The batch dim of the data input named ``arg_name`` (None: not batched), or of the argument, dict
+        entry or attribute it lies under (``batch.ids``, ``block_mask.kv_indices``)."""
         if isinstance(self.batch_dim, int):
             return self.batch_dim
-        return dict(self.batch_dim).get(arg_name, 0)
+        dims = dict(self.batch_dim)
+        parts = arg_name.split(".")
+        for n in range(len(parts), 0, -1):  # the longest prefix named: {"mask": None} covers mask.kv_indices
+            if ".".join(parts[:n]) in dims:
+                return dims[".".join(parts[:n])]
+        return 0
 
 
 def _is_real(x: object) -> bool:

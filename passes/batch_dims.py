@@ -98,10 +98,13 @@ class BatchDimAnalysis:
         self.B = sizes[0][1]
         for name, s in sizes[1:]:
             if not known(s == self.B):
+                under = name.split(".")[0]
                 raise DPValueError(
                     f"data inputs disagree on the batch size: '{sizes[0][0]}' has {sizes[0][1]} samples and "
                     f"'{name}' has {s} along their batch dims; if '{name}' is not per-sample, pass "
                     f"batch_dim={{'{name}': None}} (or the right dim) in the dp_fsdp options"
+                    + (f" ({{'{under}': None}} for every tensor under '{under}', e.g. a flex_attention BlockMask "
+                       f"the batch shares, built with B=None)" if under != name else "")
                 )
         for _, s in sizes[1:]:
             _unify_symbols(s, self.B)

@@ -348,6 +348,20 @@ def finite_median(norms: torch.Tensor) -> float:
     return float(norms[norms.isfinite()].median())
 
 
+def _flex_tokens(B, T=8):
+    """Token ids with padding (id 0) at the end of samples 1, 3, ..., and a target per position."""
+    x = ids(B, T, 11, pad=0)
+    if B:
+        x[:, 0] = x[:, 0].clamp(min=1)  # no sample fully masked
+        x[1::2, -3:] = 0
+    return (x,), (torch.randn(B, T, 3),)
+
+
+# flex_attention's mods (padding mask per sample, ALiBi, a shared causal block mask, grouped-query heads): not in
+# CASES (torch refuses its backward in Inductor on CPU: the matrices' Inductor runs), tests/test_flex_attention.py
+FLEX_ATTENTION = Case(lambda: M.FlexAttentionNet(), _flex_tokens, M.mse)
+
+
 # what the sharded tests run: the small layer kinds side by side (one compile), then every model
 # (a model whose forward updates buffers runs alone: the matrix's logical batch of two micro-batches, which
 # would see them updated twice, is then one batch)
@@ -367,7 +381,7 @@ SHARDED_LEFT_OUT = {
 SHARDED_LAYER_KINDS = {n: c for n, c in SMALL_LAYER_CASES.items() if n not in ALONE_CASES and n not in SHARDED_LEFT_OUT}
 SHARDED_CASES = {"layer_kinds": side_by_side(SHARDED_LAYER_KINDS),
                  **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES or n in ALONE_CASES},
-                 "vit": VIT}
+                 "vit": VIT, "flex_attention": FLEX_ATTENTION}
 # cases the sharded matrix runs once, op by op (compiler="eager"), and why not through Inductor
 SHARDED_EAGER_ONLY = {
     "vision_blocks": "CI time (its Inductor compile on 2 ranks cost about 100 s of CI); its ops through Inductor "
@@ -380,6 +394,8 @@ SHARDED_EAGER_ONLY = {
                        "2.13 got wrong without compat.reshape_indexer_refuses_unbacked_guesses) runs in "
                        "test_compat::test_multihead_attention_with_an_unbacked_batch",
     "vit": "as cross_attention",
+    "flex_attention": "torch 2.13's Inductor has no CPU backward for flex_attention (its CPU lowering refuses it); "
+                      "tests/test_flex_attention.py runs it through Inductor on a GPU, on one process",
 }
 # cases the sharded matrix runs op by op in both schedules, and where their ops run through Inductor with the
 # unbacked batch size of a sharded step instead

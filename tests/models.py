@@ -929,3 +929,107 @@ class ConvNet(nn.Module):
         h = rows.reshape(B, 8, 16, 8).permute(0, 2, 1, 3)  # [B, 16, 8, 8]
         v = self.vol(torch.tanh(h).unsqueeze(1))  # [B, 2, 15, 3, 3]
         return self.head(v.flatten(1))
+
+
+def allow_flex_backward_on_cpu() -> None:
+    """torch refuses flex_attention's backward on CPU up front (``_validate_device``: Inductor's CPU lowering has
+    no backward), although the op's own dense forward and backward run there. The CPU tests run dp_fsdp's graphs
+    op by op (compiler="eager"), so the check is lifted for CPU inputs only; on CUDA nothing changes and Inductor
+    generates the flex kernels (tests/test_gpu.py)."""
+    import torch.nn.attention.flex_attention as flex
+
+    check = flex._validate_device
+    if getattr(check, "_cpu_backward_allowed", False):
+        return
+
+    def validate_device(query, key, value):
+        if query.device.type != "cpu":
+            check(query, key, value)
+
+    validate_device._cpu_backward_allowed = True
+    flex._validate_device = validate_device
+
+
+class FlexAttentionNet(nn.Module):
+    """Two flex_attention layers over token ids (id 0 = padding): the first's score_mod reads the per-sample
+    padding mask at [b, kv_idx]; the second uses grouped-query heads, a causal block mask the batch shares (built
+    once, B=None) and an ALiBi score_mod reading a slope per head from a tensor the batch shares.
+    ``documents``: the first layer's block mask is built in the step from per-sample document ids (the id's
+    parity) with create_block_mask(B=batch); ``block_mask``: one built outside the step
+    (flex_document_mask). ``dense``: the same function with scaled_dot_product_attention and
+    explicit masks, which torch.func's vmap oracle runs (flex's own ops run under vmap too, but slowly)."""
+
+    def __init__(self, vocab=11, d=16, heads=4, kv_heads=2, T=8, documents=False, dense=False):
+        super().__init__()
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        allow_flex_backward_on_cpu()
+        self.heads, self.kv_heads, self.documents, self.dense = heads, kv_heads, documents, dense
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.q2 = nn.Linear(d, d)
+        self.kv2 = nn.Linear(d, 2 * d * kv_heads // heads)
+        self.out = nn.Linear(d, 3)
+        self.register_buffer("slopes", 2.0 ** (-torch.arange(1, heads + 1, dtype=torch.float32)), persistent=False)
+        self.causal = None if dense else create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T,
+                                                           device="cpu", BLOCK_SIZE=4)
+
+    def _apply(self, fn, *args, **kwargs):
+        # the block mask is a plain attribute (module state the batch shares, not a buffer): .to(device) moves it
+        if self.causal is not None:
+            self.causal = self.causal.to(fn(torch.empty(0)).device)
+        return super()._apply(fn, *args, **kwargs)
+
+    def _heads(self, x, n):
+        B, T, _ = x.shape
+        return x.view(B, T, n, -1).transpose(1, 2)
+
+    def forward(self, ids, block_mask=None):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        x = self.emb(ids)
+        B, T, d = x.shape
+        keep = ids != 0
+        docs = ids % 2
+        q, k, v = (self._heads(t, self.heads) for t in self.qkv(x).chunk(3, -1))
+        if self.dense:
+            allowed = keep[:, None, None, :].expand(B, 1, T, T)
+            if self.documents:
+                causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+                allowed = (docs[:, None, :, None] == docs[:, None, None, :]) & causal
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        elif block_mask is not None:  # built outside the step, for this batch (a step argument)
+            y = flex_attention(q, k, v, block_mask=block_mask)
+        elif self.documents:
+            def same_document(b, h, qi, kv):
+                return (docs[b, qi] == docs[b, kv]) & (qi >= kv)
+
+            mask = create_block_mask(same_document, B, None, T, T, device=ids.device, BLOCK_SIZE=4)
+            y = flex_attention(q, k, v, block_mask=mask)
+        else:
+            y = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: torch.where(keep[b, kv], s, -1e4))
+        x = x + y.transpose(1, 2).reshape(B, T, d)
+        q = self._heads(self.q2(x), self.heads)
+        k, v = (self._heads(t, self.kv_heads) for t in self.kv2(x).chunk(2, -1))
+        if self.dense:
+            pos = torch.arange(T, device=ids.device)
+            bias = self.slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])
+            bias = bias.masked_fill(pos[None, None, :] > pos[None, :, None], float("-inf"))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=True)
+        else:
+            slopes = self.slopes
+            y = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi),
+                               block_mask=self.causal, enable_gqa=True)
+        return self.out(x + y.transpose(1, 2).reshape(B, T, d))
+
+
+def flex_document_mask(ids, T=8):
+    """The block mask FlexAttentionNet(documents=True) builds in its step, built for this batch outside it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    docs = ids % 2
+
+    def same_document(b, h, qi, kv):
+        return (docs[b, qi] == docs[b, kv]) & (qi >= kv)
+
+    return create_block_mask(same_document, ids.shape[0], None, T, T, device=ids.device, BLOCK_SIZE=4)

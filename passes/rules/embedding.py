@@ -314,7 +314,8 @@ def _index_put(an, node):
         raise an.refuse(node, "scatters into a per-sample tensor")
     tens = [i for i in indices if i is not None]
     if len(indices) != 1 or len(tens) != 1:
-        raise an.refuse(node, "scatter with several index tensors")
+        # (a batch of one: sample 0's, as every layout there; create_block_mask's dense mask at B=1)
+        return fail_layout(an, node, "scatter with several index tensors")
     idx = tens[0]
     si, sv = an.st(idx), an.st(values)
     lay = None

@@ -954,12 +954,13 @@ class FlexAttentionNet(nn.Module):
     """Two flex_attention layers over token ids (id 0 = padding): the first's score_mod reads the per-sample
     padding mask at [b, kv_idx]; the second uses grouped-query heads, a causal block mask the batch shares (built
     once, B=None) and an ALiBi score_mod reading a slope per head from a tensor the batch shares.
-    ``documents``: the first layer's block mask is built in the step from per-sample document ids (the id's
-    parity) with create_block_mask(B=batch); ``block_mask``: one built outside the step
-    (flex_document_mask). ``dense``: the same function with scaled_dot_product_attention and
-    explicit masks, which torch.func's vmap oracle runs (flex's own ops run under vmap too, but slowly)."""
+    Heads of 16 dims: Inductor's flex kernels take no fewer. ``documents``: the first layer's block mask is
+    built in the step from per-sample document ids (the id's parity) with create_block_mask(B=batch);
+    ``block_mask``: one built outside the step (flex_document_mask). ``dense``: the same function with
+    scaled_dot_product_attention and explicit masks, which torch.func's vmap oracle runs (flex's own ops run
+    under vmap too, but slowly)."""
 
-    def __init__(self, vocab=11, d=16, heads=4, kv_heads=2, T=8, documents=False, dense=False):
+    def __init__(self, vocab=11, d=32, heads=2, kv_heads=1, T=8, documents=False, dense=False):
         super().__init__()
         from torch.nn.attention.flex_attention import create_block_mask
 

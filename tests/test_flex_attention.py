@@ -1,5 +1,5 @@
-"""flex_attention in DP steps (dpcompile.passes.rules.flex_attention): its score_mod and mask_mod read per-sample tensors
-only at [b], block masks shared by the batch or built for it (in the step or passed in), grouped-query heads.
+"""flex_attention in DP steps (dpcompile.passes.rules.flex_attention): its score_mod and mask_mod read per-sample
+tensors only at [b], block masks shared by the batch or built for it (in the step or passed in), grouped-query heads.
 
 On CPU the steps run dp_fsdp's graphs op by op (compiler="eager": torch's Inductor has no CPU backward for flex,
 models.allow_flex_backward_on_cpu); on a GPU Inductor generates the flex kernels. Sharded (2 gloo ranks):
@@ -149,7 +149,7 @@ def test_mods_that_mix_samples_are_refused(kind, message):
 def _hf_llama_flex():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=29, hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2,
+    cfg = LlamaConfig(vocab_size=29, hidden_size=32, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=8, bos_token_id=0, eos_token_id=0,
                       pad_token_id=0, use_cache=False, attn_implementation="flex_attention")
     model = LlamaForCausalLM(cfg)

@@ -973,7 +973,7 @@ class FlexAttentionNet(nn.Module):
         self.out = nn.Linear(d, 3)
         self.register_buffer("slopes", 2.0 ** (-torch.arange(1, heads + 1, dtype=torch.float32)), persistent=False)
         self.causal = None if dense else create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T,
-                                                           device="cpu", BLOCK_SIZE=4)
+                                                           device="cpu")
 
     def _apply(self, fn, *args, **kwargs):
         # the block mask is a plain attribute (module state the batch shares, not a buffer): .to(device) moves it
@@ -1005,7 +1005,7 @@ class FlexAttentionNet(nn.Module):
             def same_document(b, h, qi, kv):
                 return (docs[b, qi] == docs[b, kv]) & (qi >= kv)
 
-            mask = create_block_mask(same_document, B, None, T, T, device=ids.device, BLOCK_SIZE=4)
+            mask = create_block_mask(same_document, B, None, T, T, device=ids.device)
             y = flex_attention(q, k, v, block_mask=mask)
         else:
             y = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: torch.where(keep[b, kv], s, -1e4))
@@ -1033,4 +1033,4 @@ def flex_document_mask(ids, T=8):
     def same_document(b, h, qi, kv):
         return (docs[b, qi] == docs[b, kv]) & (qi >= kv)
 
-    return create_block_mask(same_document, ids.shape[0], None, T, T, device=ids.device, BLOCK_SIZE=4)
+    return create_block_mask(same_document, ids.shape[0], None, T, T, device=ids.device)

@@ -86,7 +86,7 @@ def test_a_block_mask_the_batch_shares_as_an_argument_is_named_in_batch_dim():
     model = M.FlexAttentionNet(documents=True)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    shared = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+    shared = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 8, 8, device="cpu")
     step, _, _ = _step_with_mask_argument(model, _twin(model, documents=True), ids, y, "bk")
     with pytest.raises(ValueError, match=r"batch_dim=\{'inputs\.1\.kv_num_blocks': None\}.*\{'inputs': None\}|"
                                          r"\{'inputs\.1': None\}|\{'inputs': None\} for every tensor"):

@@ -146,6 +146,43 @@ def test_mods_that_mix_samples_are_refused(kind, message):
         step((x,), (y,))
 
 
+class _LearnedMemory(nn.Module):
+    """Queries of the samples attend over learned keys and values the batch shares, expanded to the batch or of
+    one row that flex broadcasts (then with a block mask of the batch, as flex needs)."""
+
+    def __init__(self, expand):
+        super().__init__()
+        M.allow_flex_backward_on_cpu()
+        self.expand = expand
+        self.q = nn.Linear(6, 32)
+        self.memory = nn.Parameter(torch.randn(1, 2, 8, 16))
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, 2, 16).transpose(1, 2)
+        if self.expand:
+            kv, mask = self.memory.expand(B, -1, -1, -1), None
+        else:
+            kv, mask = self.memory, create_block_mask(lambda b, h, qi, kv: kv >= 0, B, None, T, 8, device=x.device)
+        return self.out(flex_attention(q, kv, kv, block_mask=mask).transpose(1, 2).reshape(B, T, 32))
+
+
+def test_learned_keys_shared_by_the_batch():
+    """Keys and values from a parameter: expanded to the batch, each sample's gradient of it is its own row of
+    flex's key gradient (exact against the oracle); of one row, which flex broadcasts over the batch, its
+    gradient is summed over the samples inside the kernel: refused, saying to expand it."""
+    x, y = torch.randn(4, 5, 6), torch.randn(4, 5, 3)
+    check_against_reference(_LearnedMemory(expand=True), M.mse, (x,), (y,), schedule="ghost", compiler="eager")
+    step, _ = compile_step(_LearnedMemory(expand=False), M.mse, max_grad_norm=1.0, noise_multiplier=0.0,
+                           expected_batch_size=4, compiler="eager")
+    with pytest.raises(dpcompile.DPCompileError, match=r"gradient of parameter memory, a key or value of one row that "
+                                                       r"flex_attention broadcasts over the batch, is summed.*expand"):
+        step((x,), (y,))
+
+
 def _hf_llama_flex():
     from transformers import LlamaConfig, LlamaForCausalLM
 

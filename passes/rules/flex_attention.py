@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile.fx_utils import known
+
 from ..batch_state import FREE, SINGLE, Batched, Mixed, fail_layout
 
 aten = torch.ops.aten
@@ -165,10 +167,10 @@ def _flex_backward(an, node):
     (q, k, v, out, lse, grad_out, grad_lse, fw_graph, _joint, block_mask, _scale, _options, score_bufs,
      mask_bufs) = node.args[:14]
     tensors = [a for a in (q, k, v, out, lse, grad_out, grad_lse) if isinstance(a, fx.Node)]
-    return _flex(an, node, tensors, block_mask, score_bufs, mask_bufs, [fw_graph], n_outputs=3)
+    return _flex(an, node, tensors, block_mask, score_bufs, mask_bufs, [fw_graph], n_outputs=3, inputs=(q, k, v))
 
 
-def _flex(an, node, tensors, block_mask, score_bufs, mask_bufs, score_mods, n_outputs):
+def _flex(an, node, tensors, block_mask, score_bufs, mask_bufs, score_mods, n_outputs, inputs=()):
     tables, mask_mod = _block_mask_parts(block_mask)
     q_state = _query_state(an, node, tensors)
     if not isinstance(q_state, Batched):  # q, k and v hold no samples: only the mods' buffers might
@@ -202,7 +204,20 @@ def _flex(an, node, tensors, block_mask, score_bufs, mask_bufs, score_mods, n_ou
                                      f"reads for every sample, is summed over the samples inside the kernel; keep "
                                      f"learned tensors out of score_mod (add a learned bias to the scores outside "
                                      f"flex_attention, or use scaled_dot_product_attention with an attn_mask)"))
-    return (*(out_state if isinstance(o, torch.Tensor) else FREE for o in v[:n_outputs]), tuple(grads))
+    return (*(_input_grad_state(an, node, x, g, out_state) for x, g in zip(inputs, v[:n_outputs])), tuple(grads))
+
+
+def _input_grad_state(an, node, x, g, out_state):
+    """The gradient of the query, key or value: per-sample where the input has a row per sample (per-sample data,
+    or a tensor the batch shares expanded to it); the key and value of one row that the kernel broadcast over
+    the batch get their gradient summed over the samples inside it."""
+    if not isinstance(g, torch.Tensor) or out_state is FREE:
+        return FREE
+    if isinstance(an.st(x), Batched) or out_state.dim is None or known(x.meta["val"].shape[0] == an.B):
+        return out_state
+    return Mixed(node, f"the gradient of {_describe(an, x)}, a key or value of one row that flex_attention "
+                       "broadcasts over the batch, is summed over the samples inside the kernel; expand it to the "
+                       "batch before flex_attention (its gradient then has a row per sample)")
 
 
 RULES: dict[Any, Any] = {}

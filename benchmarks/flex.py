@@ -12,11 +12,10 @@ non-private step of the same attention.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from moe import time_step
+from moe import ratio_table, run_modes
 
 
 def build(args, attention: str):
@@ -36,8 +35,6 @@ def loss_of(model, x, mask, y):
 
 
 def main(argv=None) -> int:
-    import dpcompile
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
@@ -55,38 +52,10 @@ def main(argv=None) -> int:
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     rows = []
     for attention in args.attention.split(","):
-        for mode in args.modes.split(","):
-            torch._dynamo.reset()
-            model = build(args, attention)
-
-            def step(m, xm, y):
-                loss = loss_of(m, *xm, y)
-                loss.backward()
-                return loss.detach()
-
-            if mode == "non-private":
-                compiled = torch.compile(step)
-            else:
-                compiled = torch.compile(step, backend=dpcompile.DPBackend(
-                    max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch, schedule=mode))
-            try:
-                ms, gib = time_step(compiled, model, (x, mask), y, args.iters)
-                rows.append({"attention": attention, "mode": mode, "ms": round(ms, 2), "peak_gib": round(gib, 2)})
-            except Exception as e:  # noqa: BLE001 (reported)
-                rows.append({"attention": attention, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(json.dumps(rows[-1]), flush=True)
-            del model, compiled
-            torch.cuda.empty_cache()
-    base = {r["attention"]: r for r in rows if r["mode"] == "non-private" and "ms" in r}
-    print(f"| attention | mode | ms | x non-private | peak GiB | x non-private | (B={args.batch}, T={args.seq}, "
-          f"d={args.hidden}, {args.layers} layers, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__})")
-    for r in rows:
-        b = base.get(r["attention"])
-        if "ms" in r and b:
-            print(f"| {r['attention']} | {r['mode']} | {r['ms']} | {r['ms'] / b['ms']:.2f} | {r['peak_gib']} | "
-                  f"{r['peak_gib'] / b['peak_gib']:.2f} |")
-        else:
-            print(f"| {r['attention']} | {r['mode']} | {r.get('error', '')} |")
+        run_modes(rows, "attention", attention, args.modes.split(","), lambda: build(args, attention), loss_of,
+                  (x, mask), y, args)
+    ratio_table(rows, "attention", f"B={args.batch}, T={args.seq}, d={args.hidden}, {args.layers} layers, bf16, "
+                                   f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     return 0
 
 

@@ -64,9 +64,53 @@ def loss_of(model, x, y):
     return per_token.view(y.shape).mean(1).mean()
 
 
-def main(argv=None) -> int:
+def run_modes(rows: list, key: str, value: str, modes, build, loss_of, inputs: tuple, y, args) -> None:
+    """Each mode's step ("non-private": stock torch.compile; "bk", "ghost": dp_fsdp) on a fresh model from build(),
+    timed (time_step), one row each in rows ({key: value, "mode", "ms", "peak_gib"} or an error); with
+    args.profile, one step's costliest GPU kernels after the timing."""
     import dpcompile
 
+    for mode in modes:
+        torch._dynamo.reset()
+        model = build()
+
+        def step(m, xs, y):
+            loss = loss_of(m, *xs, y)
+            loss.backward()
+            return loss.detach()
+
+        if mode == "non-private":
+            compiled = torch.compile(step)
+        else:
+            compiled = torch.compile(step, backend=dpcompile.DPBackend(
+                max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch, schedule=mode))
+        try:
+            ms, gib = time_step(compiled, model, inputs, y, args.iters)
+            rows.append({key: value, "mode": mode, "ms": round(ms, 2), "peak_gib": round(gib, 2)})
+        except Exception as e:  # noqa: BLE001 (reported)
+            rows.append({key: value, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(json.dumps(rows[-1]), flush=True)
+        if getattr(args, "profile", 0) and "ms" in rows[-1]:
+            profile(compiled, model, inputs, y, args.profile, f"{value} {mode}")
+        del model, compiled
+        torch.cuda.empty_cache()
+
+
+def ratio_table(rows: list, key: str, title: str) -> None:
+    """The rows as a markdown table: time and peak memory, and their ratios to the non-private row of the same
+    ``key`` value."""
+    base = {r[key]: r for r in rows if r["mode"] == "non-private" and "ms" in r}
+    print(f"| {key} | mode | ms | x non-private | peak GiB | x non-private | ({title})")
+    for r in rows:
+        b = base.get(r[key])
+        if "ms" in r and b:
+            print(f"| {r[key]} | {r['mode']} | {r['ms']} | {r['ms'] / b['ms']:.2f} | {r['peak_gib']} | "
+                  f"{r['peak_gib'] / b['peak_gib']:.2f} |")
+        else:
+            print(f"| {r[key]} | {r['mode']} | {r.get('error', '')} |")
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
@@ -86,41 +130,10 @@ def main(argv=None) -> int:
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     rows = []
     for form in args.forms.split(","):
-        for mode in args.modes.split(","):
-            torch._dynamo.reset()
-            model = build(args, form)
-
-            def step(m, x, y):
-                loss = loss_of(m, x, y)
-                loss.backward()
-                return loss.detach()
-
-            if mode == "non-private":
-                compiled = torch.compile(step)
-            else:
-                compiled = torch.compile(step, backend=dpcompile.DPBackend(
-                    max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch, schedule=mode))
-            try:
-                ms, gib = time_step(compiled, model, x, y, args.iters)
-                rows.append({"form": form, "mode": mode, "ms": round(ms, 2), "peak_gib": round(gib, 2)})
-            except Exception as e:  # noqa: BLE001 (reported)
-                rows.append({"form": form, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(json.dumps(rows[-1]), flush=True)
-            if args.profile and "ms" in rows[-1]:
-                profile(compiled, model, x, y, args.profile, f"{form} {mode}")
-            del model, compiled
-            torch.cuda.empty_cache()
-    base = {r["form"]: r for r in rows if r["mode"] == "non-private" and "ms" in r}
-    print(f"| form | mode | ms | x non-private | peak GiB | x non-private | "
-          f"(B={args.batch}, T={args.seq}, d={args.hidden}, ffn={args.ffn}, {args.experts} experts, top-{args.top_k}, "
-          f"{args.layers} layers, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__})")
-    for r in rows:
-        b = base.get(r["form"])
-        if "ms" in r and b:
-            print(f"| {r['form']} | {r['mode']} | {r['ms']} | {r['ms'] / b['ms']:.2f} | {r['peak_gib']} | "
-                  f"{r['peak_gib'] / b['peak_gib']:.2f} |")
-        else:
-            print(f"| {r['form']} | {r['mode']} | {r.get('error', '')} |")
+        run_modes(rows, "form", form, args.modes.split(","), lambda: build(args, form), loss_of, (x,), y, args)
+    ratio_table(rows, "form", f"B={args.batch}, T={args.seq}, d={args.hidden}, ffn={args.ffn}, {args.experts} "
+                              f"experts, top-{args.top_k}, {args.layers} layers, bf16, {torch.cuda.get_device_name()}, "
+                              f"torch {torch.__version__}")
     return 0
 
 

@@ -47,6 +47,17 @@ def test_flex_attention_matches_the_oracle(documents, schedule, batch):
         assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
 
 
+def test_as_many_samples_as_block_rows():
+    """create_block_mask in the step builds its dense mask by scattering into a tensor of no samples with an iota
+    of the batch and one of the block rows: with as many samples as rows (3 samples, 384 tokens in blocks of 128)
+    both could be the batch's; the per-sample block indices say which (it was refused as ambiguous)."""
+    c = FLEX_ATTENTION
+    inputs, targets = c.data(3, T=384)
+    model = M.FlexAttentionNet(documents=True, T=384)
+    check_against_reference(model, c.loss, inputs, targets, schedule="bk", compiler="eager",
+                            oracle=_twin(model, documents=True, T=384))
+
+
 def _step_with_mask_argument(model, twin, ids, y, schedule, **options):
     _, norms = dp_reference(twin, M.mse, (ids,), (y,), max_grad_norm=1.0, expected_batch_size=len(ids))
     C = float(norms.median())

@@ -256,7 +256,10 @@ def _index_put_off_sample_dim(an, node, base, indices, values, mask):
 def _index_put_by_sample(an, node, base, indices, values):
     """base.index_put(indices, values) with a sample iota (sample_iota_dim) on base's sample dim (the backward of
     x[iota, j]: a sequence classifier's last-token pooling): sample j's values land in sample j's slice of base,
-    so the result is per sample on that dim, accumulating or not; None when the op is not of that form."""
+    so the result is per sample on that dim, accumulating or not; None when the op is not of that form. A base
+    with no samples takes the dim whose iota the per-sample indices and values line up with; several iotas of
+    the batch's size that all could be it (flex_attention's dense block masks: the batch's and the rows' iotas
+    when there are as many rows as samples) leave it ambiguous: None."""
     sb = an.st(base)
     if isinstance(sb, Batched):
         if sb.dim is None or not (known(sb.outer == 1) and known(sb.inner == 1)):
@@ -266,12 +269,21 @@ def _index_put_by_sample(an, node, base, indices, values):
         dims = [p for p, i in enumerate(indices) if i is not None and sample_iota_dim(an, i) is not None]
     else:
         return None
-    if len(dims) != 1:
+    found = [s for s in dims if _scatters_by_sample(an, base, indices, values, s)]
+    if len(found) != 1:
         return None
-    s = dims[0]
+    if sb is FREE and an.st(values) is FREE and all(an.st(i) is FREE for i in indices if i is not None):
+        return FREE
+    an.ctx.counters[SAMPLE_INDEXED_COUNTER] += 1
+    return Batched(found[0])
+
+
+def _scatters_by_sample(an, base, indices, values, s: int) -> bool:
+    """Whether base.index_put(indices, values) writes sample j's indices and values only into base's slice j
+    along dim s (the iota there is the sample's own position)."""
     found = _by_sample_layout(an, indices, s)
     if found is None or not known(shape_of(base)[s] == an.B):
-        return None
+        return False
     start, d = found
     sv = an.st(values)
     if isinstance(sv, Batched):
@@ -279,15 +291,9 @@ def _index_put_by_sample(an, node, base, indices, values):
         # block's R dims, base's dims after it
         positions, R, _ = _indexed_block(indices)
         n_indexed = ndim(base) - len(positions) + R  # the dims of base[indices]
-        if sv.dim is None or not (known(sv.outer == 1) and known(sv.inner == 1)) or \
-                sv.dim + n_indexed - ndim(values) != start + d:
-            return None
-    elif sv is not FREE:
-        return None
-    if sb is FREE and sv is FREE and all(an.st(i) is FREE for i in indices if i is not None):
-        return FREE
-    an.ctx.counters[SAMPLE_INDEXED_COUNTER] += 1
-    return Batched(s)
+        return sv.dim is not None and known(sv.outer == 1) and known(sv.inner == 1) and \
+            sv.dim + n_indexed - ndim(values) == start + d
+    return sv is FREE
 
 
 def _index_put(an, node):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,7 +124,8 @@ def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = No
 
 
 def _is_block_mask(x: Any) -> bool:
-    return type(x).__name__ == "BlockMask" and hasattr(x, "as_tuple")
+    flex = sys.modules.get("torch.nn.attention.flex_attention")  # not imported: no BlockMask exists
+    return flex is not None and isinstance(x, flex.BlockMask)
 
 
 # a BlockMask's tables, which flex_attention reads per row of the query's batch (dim 0 of each)
@@ -161,9 +163,11 @@ def _block_mask_tensors(mask: Any) -> list[tuple[list[str], torch.Tensor]]:
     return tables + found
 
 
-def _leaves_with_names(value: Any, tree_flatten_with_path) -> list[tuple[list[str], Any]]:
+def _leaves_with_names(value: Any) -> list[tuple[list[str], Any]]:
     """The pytree leaves of an argument with the path names of the batch_dim option; a BlockMask (not a pytree
     in torch) gives its tables, named by attribute (``mask.kv_indices``)."""
+    from torch.utils._pytree import tree_flatten_with_path
+
     out = []
     for path, leaf in tree_flatten_with_path(value)[0]:
         keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
@@ -180,12 +184,11 @@ def mark_arguments(arguments: Mapping[str, Any], config, hint: int | None = None
     Argument names follow the ``batch_dim`` option's convention: ``x``,
     ``batch.ids`` for a dict entry, ``xs.0`` for a list item.
     """
-    from torch.utils._pytree import tree_flatten_with_path
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     marked = False
     for name, value in arguments.items():
-        for path, leaf in _leaves_with_names(value, tree_flatten_with_path):
+        for path, leaf in _leaves_with_names(value):
             if not isinstance(leaf, torch.Tensor) or isinstance(leaf, torch.nn.Parameter) or leaf.dim() == 0 \
                     or is_traceable_wrapper_subclass(leaf):
                 continue

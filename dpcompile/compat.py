@@ -161,9 +161,28 @@ def _wrap_once(owner, name: str, wrap) -> None:
     new = wrap(original)
     if new is None:
         return
+    _mark_wrapper(new, original)
+    setattr(owner, name, staticmethod(new) if static else new)
+
+
+def _wrap_entry_once(table: dict, key, wrap) -> bool:
+    """table[key] (a registry: an op's kernels, a HOP's fake function, transformers' mask functions) replaced by
+    wrap(original), once, as _wrap_once does an attribute; whether it was replaced."""
+    original = table.get(key)
+    if original is None or getattr(original, "_dpcompile_guarded", False):
+        return False
+    new = wrap(original)
+    if new is None:
+        return False
+    _mark_wrapper(new, original)
+    table[key] = new
+    return True
+
+
+def _mark_wrapper(new, original) -> None:
+    """dpcompile's wrapper of original: marked so it is never wrapped again, the original kept."""
     new._dpcompile_guarded = True
     new._dpcompile_original = original
-    setattr(owner, name, staticmethod(new) if static else new)
 
 
 @contextlib.contextmanager
@@ -611,8 +630,7 @@ def conv_backward_layout_as_input(*, force: bool = False) -> None:
         fmt = layout(input, weight)
         return tuple(g if g is None or i == 2 else g.to(memory_format=fmt) for i, g in enumerate(grads))
 
-    convolution_backward._dpcompile_guarded = True
-    convolution_backward._dpcompile_original = original
+    _mark_wrapper(convolution_backward, original)
     lib = torch.library.Library("aten", "IMPL")
     try:
         impl_overriding(lib, "convolution_backward", convolution_backward, "Meta")  # the C++ dispatcher's
@@ -728,8 +746,7 @@ def _wrap_decomposition_once(op, wrap) -> None:
     if original is None or getattr(original, "_dpcompile_guarded", False):
         return
     new = wrap(original)
-    new._dpcompile_guarded = True
-    new._dpcompile_original = original
+    _mark_wrapper(new, original)
     tables = [decomposition_table]
     try:
         from torch._inductor import decomposition as inductor_decomposition
@@ -912,19 +929,25 @@ def hf_flex_padding_mask() -> None:
     transformers is not imported or its function is not of that form."""
     mu = sys.modules.get("transformers.masking_utils")
     mapping = getattr(getattr(mu, "AttentionMaskInterface", None), "_global_mapping", None)
-    original = mapping.get("flex_attention") if isinstance(mapping, dict) else None
-    if original is None or original in _HF_SEEN or getattr(original, "_dpcompile_guarded", False):
-        return
+    if isinstance(mapping, dict):
+        _wrap_entry_once(mapping, "flex_attention", lambda original: _padding_always_added(mu, original))
+
+
+def _padding_always_added(mu, original):
+    """hf_flex_padding_mask's wrapper of transformers' flex_attention_mask, or None where it is not of the form
+    the wrapper knows (looked at once)."""
+    if original in _HF_SEEN:
+        return None
     _HF_SEEN.add(original)
     try:
         source = inspect.getsource(original)
         signature = inspect.signature(original)
     except (OSError, TypeError, ValueError):
-        return
+        return None
     if "not fast_all(attention_mask)" not in source or \
             "prepare_padding_mask(attention_mask, kv_length, kv_offset)" not in source or \
             not {"attention_mask", "mask_function", "kv_length", "kv_offset"} <= set(signature.parameters):
-        return
+        return None
 
     def flex_attention_mask(*args, **kwargs):
         import torch
@@ -952,9 +975,7 @@ def hf_flex_padding_mask() -> None:
 
     _wrap_once(mu, "create_block_mask", uncompiled)
     flex_attention_mask.__wrapped__ = original  # type: ignore[attr-defined]
-    flex_attention_mask._dpcompile_guarded = True  # type: ignore[attr-defined]
-    flex_attention_mask._dpcompile_original = original  # type: ignore[attr-defined]
-    mapping["flex_attention"] = flex_attention_mask
+    return flex_attention_mask
 
 
 def flex_backward_takes_unbacked_batch() -> None:
@@ -969,16 +990,20 @@ def flex_backward_takes_unbacked_batch() -> None:
         from torch._higher_order_ops.utils import registered_hop_fake_fns
     except ImportError:
         return
-    hop = getattr(flex, "flex_attention_backward", None)
-    original = registered_hop_fake_fns.get(hop)
     permute_strides = getattr(flex, "_permute_strides", None)
-    if original is None or permute_strides is None or getattr(original, "_dpcompile_guarded", False):
-        return
+    if permute_strides is not None:
+        _wrap_entry_once(registered_hop_fake_fns, getattr(flex, "flex_attention_backward", None),
+                         lambda original: _same_batch_shapes(original, permute_strides))
+
+
+def _same_batch_shapes(original, permute_strides):
+    """flex_backward_takes_unbacked_batch's wrapper of torch's shape function, or None where torch's is not of
+    that form."""
     try:
         if "Bq > 1 and Bkv == 1" not in inspect.getsource(original):
-            return
+            return None
     except (OSError, TypeError):
-        return
+        return None
 
     def flex_attention_backward_fake(query, key, value, *args, **kwargs):
         import torch
@@ -997,9 +1022,7 @@ def flex_backward_takes_unbacked_batch() -> None:
                              if isinstance(b, torch.Tensor) else None for b in buffers)
         return grad_query, grad_key, grad_value, grad_buffers
 
-    flex_attention_backward_fake._dpcompile_guarded = True  # type: ignore[attr-defined]
-    flex_attention_backward_fake._dpcompile_original = original  # type: ignore[attr-defined]
-    registered_hop_fake_fns[hop] = flex_attention_backward_fake
+    return flex_attention_backward_fake
 
 
 def flex_dense_takes_an_empty_batch() -> None:
@@ -1016,23 +1039,24 @@ def flex_dense_takes_an_empty_batch() -> None:
         return
     for name, backward in (("flex_attention", False), ("flex_attention_backward", True)):
         hop = getattr(flex, name, None)
-        dense = getattr(hop, "py_kernels", {}).get(DispatchKey.CompositeExplicitAutograd)
         shapes = registered_hop_fake_fns.get(hop)
-        if dense is None or shapes is None or getattr(dense, "_dpcompile_guarded", False):
-            continue
+        kernels = getattr(hop, "py_kernels", {})
+        if shapes is not None and _wrap_entry_once(kernels, DispatchKey.CompositeExplicitAutograd,
+                                                   lambda dense: _empty_batch_from_shapes(dense, shapes, backward)):
+            getattr(hop, "_dispatch_cache", {}).clear()
 
-        def empty_batch(*args, _dense=dense, _shapes=shapes, _backward=backward, **kwargs):
-            if args[0].shape[0] != 0:
-                return _dense(*args, **kwargs)
-            out = _shapes(*args, **kwargs)
-            if _backward:  # the gradients of the mods' buffers: sums over no samples
-                out = (*out[:3], tuple(g.zero_() if g is not None else None for g in out[3]))
-            return out
 
-        empty_batch._dpcompile_guarded = True  # type: ignore[attr-defined]
-        empty_batch._dpcompile_original = dense  # type: ignore[attr-defined]
-        hop.py_kernels[DispatchKey.CompositeExplicitAutograd] = empty_batch
-        getattr(hop, "_dispatch_cache", {}).clear()
+def _empty_batch_from_shapes(dense, shapes, backward: bool):
+    """flex_dense_takes_an_empty_batch's wrapper of one dense kernel."""
+    def empty_batch(*args, **kwargs):
+        if args[0].shape[0] != 0:
+            return dense(*args, **kwargs)
+        out = shapes(*args, **kwargs)
+        if backward:  # the gradients of the mods' buffers: sums over no samples
+            out = (*out[:3], tuple(g.zero_() if g is not None else None for g in out[3]))
+        return out
+
+    return empty_batch
 
 
 def install_hf_shims() -> None:

@@ -27,8 +27,8 @@ aten = torch.ops.aten
 hop = torch.ops.higher_order
 
 # positions of the mods' arguments: score_mod(score, b, h, q_idx, kv_idx, *buffers),
-# mask_mod(b, h, q_idx, kv_idx, *buffers); the joint graph takes the score's gradient after kv_idx
-_SCORE_MOD_B, _SCORE_MOD_ARGS, _JOINT_ARGS = 1, 5, 6
+# mask_mod(b, h, q_idx, kv_idx, *buffers)
+_SCORE_MOD_B, _SCORE_MOD_ARGS = 1, 5
 _MASK_MOD_B, _MASK_MOD_ARGS = 0, 4
 
 

@@ -379,7 +379,15 @@ SHARDED_LEFT_OUT = {
                     "backward the same way (numel <= 1)",
 }
 SHARDED_LAYER_KINDS = {n: c for n, c in SMALL_LAYER_CASES.items() if n not in ALONE_CASES and n not in SHARDED_LEFT_OUT}
-SHARDED_CASES = {"layer_kinds": side_by_side(SHARDED_LAYER_KINDS),
+# The sharded matrix's layer kinds in two models of half the kinds each, bk running one and ghost the other: each
+# kind sharded once (CI time: both schedules of every kind at once took 4 minutes of CI's two cores). bk has the
+# convolutions (it keeps their per-sample gradients); sharded ghost convolutions: vision_blocks in test_fsdp's
+# input_gram and placements jobs. On one process every kind runs both schedules (test_per_sample_clipping).
+_KINDS = sorted(SHARDED_LAYER_KINDS)
+SHARDED_KIND_HALVES = {"layer_kinds_bk": _KINDS[1::2], "layer_kinds_ghost": _KINDS[0::2]}
+assert "conv_kinds" in SHARDED_KIND_HALVES["layer_kinds_bk"]
+SHARDED_CASES = {**{n: side_by_side({k: SHARDED_LAYER_KINDS[k] for k in kinds})
+                    for n, kinds in SHARDED_KIND_HALVES.items()},
                  **{n: c for n, c in CASES.items() if n not in SMALL_LAYER_CASES or n in ALONE_CASES},
                  "vit": VIT, "flex_attention": FLEX_ATTENTION}
 # cases the sharded matrix runs once, op by op (compiler="eager"), and why not through Inductor
@@ -399,16 +407,17 @@ SHARDED_EAGER_ONLY = {
 }
 # cases the sharded matrix runs op by op in both schedules, and where their ops run through Inductor with the
 # unbacked batch size of a sharded step instead
-SHARDED_INDUCTOR_ON_ONE_PROCESS = {
-    "layer_kinds": "CI time: Inductor's compile of every layer kind at once took 4-5 minutes of a CI core on each of "
-                   "the two ranks (270 kernels); on one process with the same unbacked batch it takes half of one "
-                   "rank's (test_per_sample_clipping::test_every_layer_kind_through_inductor_with_an_unbacked_batch), "
-                   "and the gpt, llama and Hugging Face cases run sharded graphs through Inductor",
-}
+_LAYER_KINDS_OP_BY_OP = ("CI time: Inductor's compile of every layer kind at once took 4-5 minutes of a CI core on "
+                         "each of the two ranks (270 kernels); on one process with the same unbacked batch it takes "
+                         "half of one rank's (test_per_sample_clipping::test_every_layer_kind_through_inductor_with_"
+                         "an_unbacked_batch), and the gpt, llama and Hugging Face cases run sharded graphs through "
+                         "Inductor")
+SHARDED_INDUCTOR_ON_ONE_PROCESS = {name: _LAYER_KINDS_OP_BY_OP for name in SHARDED_KIND_HALVES}
 
 
 def check_case_invariants(name, counters, summary):
     """What a case's compile must show beyond exact gradients (shared with the sharded runs)."""
+    kinds = set(SHARDED_KIND_HALVES.get(name, [name]))  # the layer kinds of the case
     # every Linear-like norm in the ghost form (static rows per sample here) runs as one kernel
     assert counters.get("gram_norm_kernels", 0) >= counters.get("norm_mm_ghost", 0), counters
     if counters.get("bk_deferred_contractions") and name.startswith(("gpt", "llama", "hf_")):
@@ -416,18 +425,18 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("row_masks_in_place", 0) >= 1, counters
     # every per-sample conv gradient a norm kernel keeps makes its clipped weight gradient (bk only)
     assert counters.get("bk_conv_grads_from_rows", 0) == counters.get("conv_grads_kept", 0), counters
-    if name in ("conv_kinds", "layer_kinds", "vision_blocks") and \
+    if kinds & {"conv_kinds", "vision_blocks"} and \
             summary.get("schedule", {}).get("requested") == "bk":  # (e.g. the depthwise, transposed and 1-D ones)
         assert counters.get("conv_grads_kept", 0) >= 1, counters
-    if name in ("einsum_weights", "layer_kinds"):  # both einsums and the weight gradients' bmms, as mms
+    if "einsum_weights" in kinds:  # both einsums and the weight gradients' bmms, as mms
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls
         assert sum(v for k, v in counters.items() if k.startswith("norm_bmm_")) >= 3, counters
-    if name in ("embedding_bag", "layer_kinds"):  # the three nn.EmbeddingBag as embeddings
+    if "embedding_bag" in kinds:  # the three nn.EmbeddingBag as embeddings
         assert counters.get("embedding_bag_as_embedding", 0) == 3, counters
-    if name in ("bilinear", "layer_kinds"):  # both nn.Bilinear as matmuls with their weights
+    if "bilinear" in kinds:  # both nn.Bilinear as matmuls with their weights
         assert counters.get("bilinear_as_matmul", 0) == 2, counters
-    if name in ("sample_indexed", "layer_kinds"):  # the mask, the three picks and the picks' index_puts
+    if "sample_indexed" in kinds:  # the mask, the three picks and the picks' index_puts
         assert counters.get("sample_dim_indexed_by_arange", 0) >= 7, counters
     if name == "hf_llama":  # transformers' mask from the attention mask: the padding mask gathered per sample
         assert counters.get("sample_dim_indexed_by_arange", 0) >= 1, counters
@@ -438,7 +447,7 @@ def check_case_invariants(name, counters, summary):
     if name == "routed_experts":  # the experts' weights and biases gathered per token: index_put gradients
         assert counters.get("norm_index_put_embedding_ghost", 0) >= 2, counters
         assert counters.get("norm_materialized_chain", 0) >= 1, counters  # the up-projections, through the gain
-    if name == "sorted_experts" or name == "layer_kinds" and "sorted_experts" in SMALL_LAYER_CASES:
+    if "sorted_experts" in kinds:
         # each layer's two expert weights, over rows sorted by expert
         assert sum(v for k, v in counters.items() if k.startswith("norm_grouped_")) == 6, counters
     if name in ("gpt_tied", "hf_gpt2"):

@@ -12,6 +12,20 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _keep_pytest_off_torchs_trace_log() -> None:
+    """pytest's log capture hangs its handlers on every logger, torch's trace log too; torch then builds every
+    TORCH_TRACE artifact of every compile (each graph printed at every stage, Inductor's code, dpcompile's
+    graph after each pass) for pytest to keep in memory: a third of a small model's compile. Only torch's own
+    trace handler (TORCH_TRACE) may hang there; the tests of the artifacts run TORCH_TRACE in a subprocess."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    add = trace_log.addHandler
+    trace_log.addHandler = lambda h: add(h) if isinstance(h, LazyTraceHandler) else None
+
+
+_keep_pytest_off_torchs_trace_log()
+
+
 @pytest.fixture(scope="session")
 def shared_ranks(tmp_path_factory):
     """shared_ranks(ranks, job): the output folder of a job of a ranks.SharedRanks table, its group run first."""

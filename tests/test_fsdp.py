@@ -10,7 +10,8 @@ import dpcompile
 from ranks import SharedRanks, spawn
 from ranks import read as _read
 from dpcompile.compat import dtensor_takes_unbacked_batch, meshes_are_graph_inputs
-from cases import BATCH_MEANS, SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_INDUCTOR_ON_ONE_PROCESS, check_case_invariants
+from cases import (BATCH_MEANS, SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_INDUCTOR_ON_ONE_PROCESS,
+                   SHARDED_KIND_HALVES, check_case_invariants)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -34,10 +35,15 @@ def _sharded_runs():
     for sharded graphs once per case, at a third of the CI time). Inductor runs alternate between the
     schedules and the ways from case to case; variants take the other compiler than their neighbour. A case
     in cases.SHARDED_EAGER_ONLY runs bk op by op only, one in cases.SHARDED_INDUCTOR_ON_ONE_PROCESS both schedules
-    op by op (their reasons there)."""
+    op by op (their reasons there); the two halves of the layer kinds (cases.SHARDED_KIND_HALVES) one schedule
+    each, op by op."""
     runs = []
-    for i, name in enumerate(sorted(SHARDED_CASES)):
+    slots = sorted({"layer_kinds" if n in SHARDED_KIND_HALVES else n for n in SHARDED_CASES})
+    for i, name in enumerate(slots):
         forms = ("compile", "private_step") if i % 2 == 0 else ("private_step", "compile")
+        if name == "layer_kinds":  # half the layer kinds each, bk in one and ghost in the other
+            runs += [(half, half.rsplit("_", 1)[1], form + "+eager") for half, form in zip(SHARDED_KIND_HALVES, forms)]
+            continue
         if name in SHARDED_EAGER_ONLY:
             runs.append((name, "bk", "private_step+eager"))
             continue
@@ -60,9 +66,9 @@ def _sharded_runs():
 SHARDED_RUNS = _sharded_runs()
 # The runs share their ranks (ranks.SharedRanks): under pytest-xdist (--dist loadgroup) one process group for
 # each of these groups, each on its own worker; a plain run runs them all in one process group.
-# layer_kinds alone: its two runs of every layer kind at once, op by op, take about 4 minutes of two CI cores.
+# the layer kinds alone: each half's run, op by op, takes about 2 minutes of two CI cores.
 MATRIX_GROUPS = {"gpt": 0, "hf_gpt2": 1, "gpt_tied": 1, "vision_blocks": 1, "hf_llama": 2, "llama": 2, "llama_sum": 2,
-                 "layer_kinds": 4}  # the others: 3
+                 "layer_kinds_bk": 4, "layer_kinds_ghost": 4}  # the others: 3
 
 
 def _matrix_job(case):

@@ -158,7 +158,7 @@ SMALL_LAYER_CASES = {
 }
 LAYER_CASES = {
     **SMALL_LAYER_CASES,
-    # not among the small kinds, which the sharded matrix runs side by side (SHARDED_INDUCTOR_ON_ONE_PROCESS)
+    # not among the small kinds, which the sharded matrix runs side by side (SHARDED_KIND_HALVES)
     "per_head_weights": Case(lambda: M.PerHeadNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                              M.mse),
     "gpt": Case(lambda: M.GPT(), _tokens(13), M.seq_ce),
@@ -379,10 +379,12 @@ SHARDED_LEFT_OUT = {
                     "backward the same way (numel <= 1)",
 }
 SHARDED_LAYER_KINDS = {n: c for n, c in SMALL_LAYER_CASES.items() if n not in ALONE_CASES and n not in SHARDED_LEFT_OUT}
-# The sharded matrix's layer kinds in two models of half the kinds each, bk running one and ghost the other: each
-# kind sharded once (CI time: both schedules of every kind at once took 4 minutes of CI's two cores). bk has the
+# The layer kinds in two halves, each one side-by-side model. Sharded, bk runs one half and ghost the other, op by
+# op: each kind sharded once (CI time: both schedules of every kind at once took 4 minutes of CI's two cores;
+# Inductor's compile of every kind at once 4-5 minutes of a CI core on each rank, 270 kernels). bk has the
 # convolutions (it keeps their per-sample gradients); sharded ghost convolutions: vision_blocks in test_fsdp's
-# input_gram and placements jobs. On one process every kind runs both schedules (test_per_sample_clipping).
+# input_gram and placements jobs. On one process every kind runs both schedules (test_per_sample_clipping), and
+# each half through Inductor with a sharded step's unbacked batch (its test_every_layer_kind_through_inductor_...).
 _KINDS = sorted(SHARDED_LAYER_KINDS)
 SHARDED_KIND_HALVES = {"layer_kinds_bk": _KINDS[1::2], "layer_kinds_ghost": _KINDS[0::2]}
 assert "conv_kinds" in SHARDED_KIND_HALVES["layer_kinds_bk"]
@@ -405,16 +407,6 @@ SHARDED_EAGER_ONLY = {
     "flex_attention": "torch 2.13's Inductor has no CPU backward for flex_attention (its CPU lowering refuses it); "
                       "tests/test_flex_attention.py runs it through Inductor on a GPU, on one process",
 }
-# cases the sharded matrix runs op by op in both schedules, and where their ops run through Inductor with the
-# unbacked batch size of a sharded step instead
-_LAYER_KINDS_OP_BY_OP = ("CI time: Inductor's compile of every layer kind at once took 4-5 minutes of a CI core on "
-                         "each of the two ranks (270 kernels); on one process with the same unbacked batch it takes "
-                         "half of one rank's (test_per_sample_clipping::test_every_layer_kind_through_inductor_with_"
-                         "an_unbacked_batch), and the gpt, llama and Hugging Face cases run sharded graphs through "
-                         "Inductor")
-SHARDED_INDUCTOR_ON_ONE_PROCESS = {name: _LAYER_KINDS_OP_BY_OP for name in SHARDED_KIND_HALVES}
-
-
 def check_case_invariants(name, counters, summary):
     """What a case's compile must show beyond exact gradients (shared with the sharded runs)."""
     kinds = set(SHARDED_KIND_HALVES.get(name, [name]))  # the layer kinds of the case

@@ -10,8 +10,7 @@ import dpcompile
 from ranks import SharedRanks, spawn
 from ranks import read as _read
 from dpcompile.compat import dtensor_takes_unbacked_batch, meshes_are_graph_inputs
-from cases import (BATCH_MEANS, SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_INDUCTOR_ON_ONE_PROCESS,
-                   SHARDED_KIND_HALVES, check_case_invariants)
+from cases import BATCH_MEANS, SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_KIND_HALVES, check_case_invariants
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -34,9 +33,8 @@ def _sharded_runs():
     (the same graphs, op by op: what dpcompile rewrites is checked sharded in both schedules, Inductor's code
     for sharded graphs once per case, at a third of the CI time). Inductor runs alternate between the
     schedules and the ways from case to case; variants take the other compiler than their neighbour. A case
-    in cases.SHARDED_EAGER_ONLY runs bk op by op only, one in cases.SHARDED_INDUCTOR_ON_ONE_PROCESS both schedules
-    op by op (their reasons there); the two halves of the layer kinds (cases.SHARDED_KIND_HALVES) one schedule
-    each, op by op."""
+    in cases.SHARDED_EAGER_ONLY runs bk op by op only (its reason there); the two halves of the layer kinds
+    (cases.SHARDED_KIND_HALVES) one schedule each, op by op (why there)."""
     runs = []
     slots = sorted({"layer_kinds" if n in SHARDED_KIND_HALVES else n for n in SHARDED_CASES})
     for i, name in enumerate(slots):
@@ -53,8 +51,6 @@ def _sharded_runs():
             runs.append((name, ("bk", "ghost")[v % 2], form))
             continue
         eager = ("", "+eager") if i // 2 % 2 == 0 else ("+eager", "")
-        if name in SHARDED_INDUCTOR_ON_ONE_PROCESS:
-            eager = ("+eager", "+eager")
         runs += [(name, "bk", forms[0] + eager[0]), (name, "ghost", forms[1] + eager[1])]
         if name == "gpt":
             runs += [(name, "bk", forms[1] + "+pad+eager"), (name, "ghost", forms[0] + "+pad+recompute")]

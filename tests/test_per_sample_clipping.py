@@ -293,15 +293,15 @@ def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
     assert dp_graphs[0].counters["nonempty_batch_views_resolved"] >= 1
 
 
-@pytest.mark.parametrize("part", [0, 1])
-def test_every_layer_kind_through_inductor_with_an_unbacked_batch(part):
-    """The sharded matrix's layer kinds (cases.SHARDED_INDUCTOR_ON_ONE_PROCESS), every other one side by side,
+@pytest.mark.parametrize("half", ["layer_kinds_ghost", "layer_kinds_bk"])
+def test_every_layer_kind_through_inductor_with_an_unbacked_batch(half):
+    """The sharded matrix's layer kinds (cases.SHARDED_KIND_HALVES, which it runs op by op), each half side by side,
     through Inductor's generated code with the unbacked batch size a sharded step compiles with (mark_batch):
     every kind's lowering must take a batch Inductor cannot guard on. Exact against the oracle, bad samples
     dropped, clipping active."""
-    from cases import SHARDED_LAYER_KINDS, side_by_side
+    from cases import SHARDED_KIND_HALVES, SHARDED_LAYER_KINDS, side_by_side
 
-    kinds = sorted(SHARDED_LAYER_KINDS)[part::2]
+    kinds = SHARDED_KIND_HALVES[half]
     c = with_bad_samples(side_by_side({n: SHARDED_LAYER_KINDS[n] for n in kinds}))
     inputs, targets = c.data(6)
     dpcompile.mark_batch(*inputs, *targets)

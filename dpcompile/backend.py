@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
 import re
 import threading
@@ -888,15 +889,32 @@ def run_graph_eagerly(gm: fx.GraphModule, example_inputs, **kwargs) -> Callable:
     The noise's ``inductor_random`` has an eager kernel that ignores its seed (it draws from torch's global
     generator: the same numbers on every rank that seeded it alike, and none of the noise stream's
     reproducibility); here it draws from a generator seeded with its seed instead. Not Inductor's numbers,
-    the same guarantees: one draw per coordinate from the per-parameter, per-rank, per-step seed."""
+    the same guarantees: one draw per coordinate from the per-parameter, per-rank, per-step seed. flex_attention's
+    backward gets the buffers whose gradients the graph reads as tensors that require grad (flex_backward_eagerly)."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_random.default):
         node.target = seeded_random
+    flex_backward = getattr(torch.ops.higher_order, "flex_attention_backward", None)
+    for node in gm.graph.find_nodes(op="call_function", target=flex_backward) if flex_backward else ():
+        used = {g.args[1] for u in node.users if u.target is operator.getitem and u.args[1] == 3
+                for g in u.users}  # the buffer gradients the graph reads
+        wanted = tuple(i in used for i in range(len(node.args[12])))
+        node.target, node.args = flex_backward_eagerly, (wanted, *node.args)
     gm.recompile()
     _LazyGraphModule.force_recompile(gm)
     return make_boxed_func(gm.forward)
+
+
+def flex_backward_eagerly(wanted: tuple[bool, ...], *args, **kwargs):
+    """flex_attention_backward returning the gradients of score_mod's buffers that the graph reads (``wanted``).
+    torch's eager kernel returns a buffer's gradient only where the buffer requires grad when it runs, and one
+    the backward computes (a sharded parameter gathered again there) does not: it gets a detached alias that
+    does."""
+    bufs = tuple(b.detach().requires_grad_() if w and isinstance(b, torch.Tensor) and not b.requires_grad else b
+                 for b, w in zip(args[12], wanted))
+    return torch.ops.higher_order.flex_attention_backward(*args[:12], bufs, *args[13:], **kwargs)
 
 
 def seeded_random(size, seed: torch.Tensor, mode: str, **kwargs) -> torch.Tensor:

@@ -953,7 +953,8 @@ def allow_flex_backward_on_cpu() -> None:
 class FlexAttentionNet(nn.Module):
     """Two flex_attention layers over token ids (id 0 = padding): the first's score_mod reads the per-sample
     padding mask at [b, kv_idx]; the second uses grouped-query heads, a causal block mask the batch shares (built
-    once, B=None) and an ALiBi score_mod reading a slope per head from a tensor the batch shares.
+    once, B=None) and an ALiBi score_mod reading a slope per head from a tensor the batch shares, plus a learned
+    bias per head and relative position (a parameter expanded to the batch, read at [b]: its gradient per sample).
     Heads of 16 dims: Inductor's flex kernels take no fewer. ``documents``: the first layer's block mask is
     built in the step from per-sample document ids (the id's parity) with create_block_mask(B=batch);
     ``block_mask``: one built outside the step (flex_document_mask). ``dense``: the same function with
@@ -972,6 +973,8 @@ class FlexAttentionNet(nn.Module):
         self.kv2 = nn.Linear(d, 2 * d * kv_heads // heads)
         self.out = nn.Linear(d, 3)
         self.register_buffer("slopes", 2.0 ** (-torch.arange(1, heads + 1, dtype=torch.float32)), persistent=False)
+        self.T = T
+        self.rel = nn.Parameter(0.5 * torch.randn(heads, 2 * T - 1))  # bias of relative position kv - q, per head
         self.causal = None if dense else create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T,
                                                            device="cpu")
 
@@ -1015,12 +1018,13 @@ class FlexAttentionNet(nn.Module):
         if self.dense:
             pos = torch.arange(T, device=ids.device)
             bias = self.slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])
+            bias = bias + self.rel[:, pos[None, :] - pos[:, None] + self.T - 1]
             bias = bias.masked_fill(pos[None, None, :] > pos[None, :, None], float("-inf"))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=True)
         else:
-            slopes = self.slopes
-            y = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi),
-                               block_mask=self.causal, enable_gqa=True)
+            slopes, rel, off = self.slopes, self.rel.expand(B, -1, -1), self.T - 1
+            y = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi)
+                               + rel[b, h, kv - qi + off], block_mask=self.causal, enable_gqa=True)
         return self.out(x + y.transpose(1, 2).reshape(B, T, d))
 
 

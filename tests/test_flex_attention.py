@@ -119,7 +119,7 @@ class _ScoreMods(nn.Module):
         M.allow_flex_backward_on_cpu()
         self.kind = kind
         self.qkv = nn.Linear(6, 12)
-        self.table = nn.Parameter(torch.randn(2, 15)) if kind == "learned" else None
+        self.table = nn.Parameter(torch.randn(2, 15)) if kind in ("learned", "learned_row_0") else None
         self.lengths = torch.tensor([5, 3, 4, 2]) if kind == "captured" else None  # module state, not data
 
     def forward(self, x):
@@ -128,11 +128,13 @@ class _ScoreMods(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, 2, 2).permute(2, 0, 3, 1, 4)
         keep = x[..., 0] > -1
+        rows = self.table.expand(B, -1, -1) if self.table is not None else None
         mods = {
             "batch_index": lambda s, b, h, qi, kv: s + b,
             "other_sample": lambda s, b, h, qi, kv: torch.where(keep[0, kv], s, -1e4),
             "captured": lambda s, b, h, qi, kv: torch.where(kv < self.lengths[b], s, -1e4),
             "learned": lambda s, b, h, qi, kv: s + self.table[h, qi - kv + 7],
+            "learned_row_0": lambda s, b, h, qi, kv: s + rows[0, h, qi - kv + 7],
         }
         return flex_attention(q, k, v, score_mod=mods[self.kind]).transpose(1, 2).reshape(B, T, 4)
 
@@ -143,12 +145,14 @@ class _ScoreMods(nn.Module):
                      r"other than at \[b\]"),
     ("captured", r"score_mod indexes tensor .* with the batch index b, but that tensor is not per-sample data"),
     ("learned", r"gradient of parameter table, which flex_attention's score_mod reads for every sample, is summed "
-                r"over the samples inside the kernel"),
+                r"over the samples inside the kernel; expand it to the batch and read its row b"),
+    ("learned_row_0", r"score_mod reads a tensor computed from parameter table, per-sample, in .* other than at \[b\]"),
 ])
 def test_mods_that_mix_samples_are_refused(kind, message):
     """b in arithmetic (a sample's place in the batch), another sample's row of a per-sample tensor, a tensor
     that is not data of the step indexed by b, a learned table in score_mod (its gradient summed over the samples
-    inside flex's kernel): each refused, naming the mod and the tensor."""
+    inside flex's kernel), or expanded to the batch but read at a row other than b (every sample's gradient in that
+    row): each refused, naming the mod and the tensor. (Expanded and read at [b]: FlexAttentionNet, exact.)"""
     model = _ScoreMods(kind)
     x, y = torch.randn(4, 5, 6), torch.randn(4, 5, 4)
     step, _ = compile_step(model, M.mse, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,

@@ -9,7 +9,9 @@ is not per-sample, makes a sample's attention depend on its place in the batch; 
 any other index reads another sample's data. Both are refused, naming the mod.
 
 The gradient of a tensor a mod reads that is not per-sample (a learned bias table) is summed over the
-samples inside the kernel: refused, naming the tensor. A per-sample buffer's gradient is per-sample.
+samples inside the kernel: refused, naming the tensor. A per-sample buffer's gradient is per-sample. So is
+that of a tensor the batch shares expanded to the batch (``table.expand(B, ...)``, every row the same memory)
+and read at [b]: each sample reads the same values, and its gradient lands in its own row.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ def _check_mod(an, node, mod: fx.GraphModule, b_pos: int, n_args: int, buffers, 
     outer = dict(zip(phs[n_args:], buffers))  # the mod's buffer placeholders -> the step's values
     per_sample = {ph: an.st(buf).dim for ph, buf in outer.items()
                   if isinstance(an.st(buf), Batched) and an.st(buf).dim is not None}
+    per_sample |= {ph: 0 for ph, buf in outer.items() if _shared_rows(an, buf, q_state)}
     for n in mod.graph.nodes:  # in order: a cast of a per-sample buffer is added before its users are reached
         if n is not b and n not in per_sample:
             continue
@@ -102,6 +105,15 @@ def _check_mod(an, node, mod: fx.GraphModule, b_pos: int, n_args: int, buffers, 
                        f"[b] in its sample dim {per_sample[n]}: another sample's data")
                 todo = "index per-sample tensors in score_mod / mask_mod as t[b, ...]"
             raise an.refuse(node, why, todo)
+
+
+def _shared_rows(an, buf: fx.Node, q_state) -> bool:
+    """buf holds no samples and is expanded to the batch in dim 0 (stride 0: every row is the same memory; or a
+    batch of one), as the query's samples lie: its row b is the same values for every sample, so a mod may read
+    it at [b] (and the gradient flex returns for it then has a row per sample)."""
+    v = buf.meta.get("val")
+    return (an.st(buf) is FREE and q_state == Batched(0) and isinstance(v, torch.Tensor) and v.dim() > 0
+            and known(v.shape[0] == an.B) and (v.stride(0) == 0 or known(v.shape[0] == 1)))
 
 
 def _keeps_layout(user: fx.Node, n: fx.Node, b: fx.Node, per_sample: dict) -> bool:
@@ -197,13 +209,16 @@ def _flex(an, node, tensors, block_mask, score_bufs, mask_bufs, score_mods, n_ou
             grads.append(FREE)
         elif q_state is not None and isinstance(an.st(buf), Batched) and an.st(buf).dim is not None:
             grads.append(an.st(buf))  # read at [b] only (checked above): its gradient's rows are per-sample
+        elif q_state is not None and _shared_rows(an, buf, q_state):
+            grads.append(q_state)  # the same, for a shared tensor expanded to the batch (_shared_rows)
         elif q_state is None or q_state.dim is None:
             grads.append(an.st(buf))
         else:  # refused where it is used (a parameter's gradient); torch's op returns one for every buffer
             grads.append(Mixed(node, f"the gradient of {_describe(an, buf)}, which flex_attention's score_mod "
-                                     f"reads for every sample, is summed over the samples inside the kernel; keep "
-                                     f"learned tensors out of score_mod (add a learned bias to the scores outside "
-                                     f"flex_attention, or use scaled_dot_product_attention with an attn_mask)"))
+                                     f"reads for every sample, is summed over the samples inside the kernel; expand "
+                                     f"it to the batch and read its row b in score_mod (table.expand(B, ...) read "
+                                     f"as t[b, ...]: each sample's gradient is then its own row), or add a learned "
+                                     f"bias to the scores outside flex_attention"))
     return (*(_input_grad_state(an, node, x, g, out_state) for x, g in zip(inputs, v[:n_outputs])), tuple(grads))
 
 

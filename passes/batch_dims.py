@@ -31,7 +31,7 @@ from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
 from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, ROW_ORDER_STATES, SINGLE,
-                          SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant,
+                          SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant, where_branches,
                           loss_not_per_sample, sample_count_sum)
 from .context import DPPassContext
 from .rules import row_order, rule_for
@@ -267,6 +267,13 @@ class BatchDimAnalysis:
                 isinstance(self.states.get(node.args[1]), Reduced):
             return Reduced(r.origin)  # a sum over samples placed into zeros: linear
         if t is aten.where.self and is_masking(self, node):
+            return Reduced(r.origin)
+        if t is aten.where.self and self.states.get(node.args[0]) is FREE and \
+                all(isinstance(self.states.get(x), Reduced) for x in where_branches(node)):
+            # each element from one of two sums over samples (or zero) by a sample-free cond: linear in the
+            # samples' contributions (softplus's backward on a learned scalar: xIELU's alpha); replayed per
+            # sample for the norm
+            self.ctx.counters["where_of_sums"] += 1
             return Reduced(r.origin)
         if t in (aten.mm.default, aten.bmm.default):
             factors = [self.states.get(a) for a in node.args[:2]]

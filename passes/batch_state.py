@@ -160,6 +160,11 @@ def is_masking(an: "BatchDimAnalysis", node: fx.Node) -> bool:
     return an.st(node.args[0]) is FREE and masked_operand(node) is not None
 
 
+def where_branches(node: fx.Node) -> list[fx.Node]:
+    """The branches of where(cond, a, b) that are not zero constants."""
+    return [x for x in node.args[1:3] if not is_zero_constant(x)]
+
+
 # shape helpers
 def ndim(x: fx.Node) -> int:
     return x.meta["val"].dim()

@@ -465,20 +465,39 @@ class BiasedScores(nn.Module):
         return self.head(out)
 
 
+class LearnedActivation(nn.Module):
+    """Activations whose parameters pass through functions of their own: xIELU's (transformers' Apertus) two
+    scalars through softplus, whose backward is a where over the gradient summed over the samples with both
+    branches on it, and a per-channel gain picked piecewise by the parameter's sign (a where with a zero
+    branch)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.alpha_p, self.alpha_n = nn.Parameter(torch.tensor([0.5])), nn.Parameter(torch.tensor([0.2]))
+        self.gain = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        ap, an = F.softplus(self.alpha_p), 0.5 + F.softplus(self.alpha_n)
+        y = torch.where(x > 0, ap * x * x + 0.5 * x, (torch.expm1(torch.clamp(x, max=-1e-6)) - x) * an + 0.5 * x)
+        return y * torch.where(self.gain > 0, self.gain * 2.0, self.gain.sigmoid())
+
+
 class ReparametrisedNet(nn.Module):
     """The parameters-through-functions-of-parameters layers in one net (CI time: one compile):
-    WeightNormNet, StandardisedNet, ProjectedTableNet and BiasedScores side by side on [B, 5, 6] tokens."""
+    WeightNormNet, StandardisedNet, ProjectedTableNet and BiasedScores side by side on [B, 5, 6] tokens, then
+    LearnedActivation."""
 
     def __init__(self, n_out=3):
         super().__init__()
         self.wn, self.proj, self.scores = WeightNormNet(6, 6), ProjectedTableNet(5, 6, 2, 6), BiasedScores(6, 2, 6)
         self.std = StandardisedNet(6)
+        self.act = LearnedActivation(6)
         self.head = nn.Linear(6, n_out)
 
     def forward(self, x):  # [B, 5, 6]
         img = F.pad(x[:, :3, :4].reshape(x.shape[0], 3, 2, 2), (1, 1, 1, 1))  # [B, 3, 4, 4]
         h = self.wn(x) + self.proj(x) + self.scores(x) + self.std(img).unsqueeze(1)
-        return self.head(torch.tanh(h))
+        return self.head(self.act(torch.tanh(h)))
 
 
 class BatchShapedAttention(nn.Module):

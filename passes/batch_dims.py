@@ -31,8 +31,8 @@ from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
 from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, ROW_ORDER_STATES, SINGLE,
-                          SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant, where_branches,
-                          loss_not_per_sample, sample_count_sum)
+                          SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant,
+                          loss_not_per_sample, sample_count_sum, where_branches)
 from .context import DPPassContext
 from .rules import row_order, rule_for
 

@@ -69,6 +69,15 @@ __all__ = [
 
 
 _MODES = {"default": {}, "reduce-overhead": {"cudagraphs": True}}
+_IGNORED_LOGGING = "ignore_logging_functions"  # torch 2.13's name; older releases: ignore_logger_methods
+# logging.Logger's methods that only log (warning_once, info_once, warning_advice: added by transformers)
+_LOGGING_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
+
+
+def _logging_methods() -> set:
+    import logging
+
+    return {getattr(logging.Logger, n) for n in _LOGGING_METHODS if hasattr(logging.Logger, n)}
 
 
 
@@ -106,6 +115,10 @@ def private_step(fn: Callable | None = None, *, mode: str | None = None, **optio
             # not by config.patch, which builds a class at every call (host time of every step)
             settings = {"fail_on_recompile_limit_hit": True, "allow_rnn": True,
                         "recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
+            # a logging call in model code (transformers' logger.warning_once) is a graph break, which splits the
+            # step: inside the step's graph it is skipped instead
+            ignored = _IGNORED_LOGGING if hasattr(cfg, _IGNORED_LOGGING) else "ignore_logger_methods"
+            settings[ignored] = getattr(cfg, ignored) | _logging_methods()
             prior = {k: getattr(cfg, k) for k in settings}
             for k, v in settings.items():
                 setattr(cfg, k, v)

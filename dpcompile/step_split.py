@@ -12,7 +12,9 @@ that into a message that says where the step was split, why, and what to do.
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import os
+import re
 from typing import Any
 
 import torch
@@ -43,6 +45,14 @@ _UNBACKED_BATCH_ADVICE = {
                       "unknown at compile time (dpcompile.mark_batch, Poisson sampling, sharded steps) cannot "
                       "answer: use torch >= 2.13, or another padding mode",
 }
+# A logging call in model code (transformers' logger.warning_once): dynamo breaks the graph there
+_LOGGING_MARKER = "logging.Logger method"
+_LOGGING_CALL = re.compile(r"(?i)log\w*(\([^)]*\))?\.(debug|info|warning|warn|warning_once|info_once)\(")
+_LOGGING_ADVICE = (
+    "a logging call in the model breaks dynamo's graph: use @dpcompile.private_step, which skips logging calls "
+    "inside its steps, or add the logger's methods to torch._dynamo.config.ignore_logger_methods before the first "
+    "step (e.g. {logging.Logger.warning, logging.Logger.warning_once})"
+)
 # A transformers model given labels= computes its own loss (transformers/loss/loss_utils.py): a token mean over
 # the whole batch (not a loss per sample), where dynamo also breaks the graph. Matched on the break's stack.
 _HF_LOSS_MARKERS = ("self.loss_function(", "transformers/loss/")
@@ -75,8 +85,12 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         what = f"dynamo split the step at a graph break{_where(reason)}: {why}"
     elif tx is not None and tx.f_code.co_name.startswith(_RESUME):
         fn, _, line = tx.f_code.co_name[len(_RESUME):].rpartition("_at_")
+        code = linecache.getline(tx.f_code.co_filename, int(line)).strip() if line.isdigit() else ""
         what = (f"this graph is the rest of {fn} ({tx.f_code.co_filename}), which dynamo resumed after a graph "
-                f"break at line {line}; the frames that called it were split before it as well")
+                f"break at line {line}{f' ({code})' if code else ''}; the frames that called it were split before "
+                f"it as well")
+        if _LOGGING_CALL.search(code):
+            what += f" ({_LOGGING_MARKER} call)"
     elif tx is not None and _is_dpcompile_code(tx.f_code):
         # e.g. the property that gathers a sharded parameter (dpcompile.fully_shard), compiled as a frame of its
         # own because dynamo ran the model code that read the parameter without a graph (a frame it gave up on)
@@ -96,6 +110,8 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
     if advice is None and any(m in text.replace("\\", "/") for m in _HF_LOSS_MARKERS):
         advice = _HF_LOSS_ADVICE
+    if advice is None and _LOGGING_MARKER in what:
+        advice = _LOGGING_ADVICE
     return Split(what, advice or GENERIC_ADVICE)
 
 

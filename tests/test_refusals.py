@@ -1,4 +1,6 @@
 """What the backend cannot prove per-sample is refused, naming op, module and parameter."""
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -696,3 +698,46 @@ def test_private_step_traces_recurrent_layers():
         step(*inputs, *targets)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+_LOG = logging.getLogger("dpcompile.tests.model")  # a module's logger, as transformers' modeling files have
+
+
+class WarnsInForward(nn.Module):
+    """Model code that logs in its forward (transformers' logger.warning_once on an input it pads, or on a
+    deprecated argument): a graph break for dynamo."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        if x.shape[-1] % 2:
+            _LOG.warning("padding the input to an even width")
+        return self.fc(x)
+
+
+def test_a_logging_call_in_the_model_splits_the_plain_step_and_private_step_skips_it():
+    """The plain form is refused as a split step, saying what to do; private_step skips the call inside its
+    graph (torch._dynamo.config.ignore_logger_methods for its steps, restored after) and is exact."""
+    from reference import dp_reference
+
+    model = WarnsInForward()
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    torch._dynamo.reset()
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "logging call", "private_step", "ignore_logger_methods")
+    assert all(p.grad is None for p in model.parameters())
+    ref, _ = dp_reference(model, M.ce, (x,), (y,), max_grad_norm=0.05, expected_batch_size=4)
+    before = set(torch._dynamo.config.ignore_logger_methods)
+
+    @dpcompile.private_step(max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
+    def step(x, y):
+        M.ce(model(x), y).mean().backward()
+
+    torch._dynamo.reset()
+    step(x, y)
+    assert set(torch._dynamo.config.ignore_logger_methods) == before
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    torch._dynamo.reset()

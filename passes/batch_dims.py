@@ -263,9 +263,9 @@ class BatchDimAnalysis:
             if acc and isinstance(self.states.get(vals), Reduced) and all(self.states.get(a) is FREE for a in others):
                 return Reduced(r.origin)
             return Mixed(node, "a scatter involving a sum over the samples")
-        if t is aten.slice_scatter.default and is_zero_constant(node.args[0]) and \
+        if t in (aten.slice_scatter.default, aten.select_scatter.default) and is_zero_constant(node.args[0]) and \
                 isinstance(self.states.get(node.args[1]), Reduced):
-            return Reduced(r.origin)  # a sum over samples placed into zeros: linear
+            return Reduced(r.origin)  # a sum over samples placed into zeros (x[i:j] or x[i] of a parameter): linear
         if t is aten.where.self and is_masking(self, node):
             return Reduced(r.origin)
         if t is aten.where.self and self.states.get(node.args[0]) is FREE and \

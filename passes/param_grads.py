@@ -205,7 +205,7 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
             terms += decompose(x, ctx, param, alpha)[0]
         ctx.counters["param_grad_blocks_joined"] += 1
         return terms, False
-    if t is aten.slice_scatter.default and is_zero_constant(node.args[0]):
+    if t in (aten.slice_scatter.default, aten.select_scatter.default) and is_zero_constant(node.args[0]):
         terms, _ = decompose(node.args[1], ctx, param, alpha)
         return terms, False
     if t is operator.getitem and node.args[0].target is aten._weight_norm_interface_backward.default:

@@ -619,7 +619,7 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         xs = [_replay(b, nb, x, pg, memo) for x in node.args[0]]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         r = b.call(aten.cat.default, xs, dim % node.meta["val"].dim() + 1)
-    elif t is aten.slice_scatter.default:
+    elif t in (aten.slice_scatter.default, aten.select_scatter.default):  # (dim, start, end) or (dim, index)
         x = _replay(b, nb, node.args[1], pg, memo)
         base = node.args[0].meta["val"]
         zeros = b.call(aten.full.default, [nb.B] + list(base.shape), 0.0, dtype=x.meta["val"].dtype,

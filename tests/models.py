@@ -485,19 +485,22 @@ class LearnedActivation(nn.Module):
 class ReparametrisedNet(nn.Module):
     """The parameters-through-functions-of-parameters layers in one net (CI time: one compile):
     WeightNormNet, StandardisedNet, ProjectedTableNet and BiasedScores side by side on [B, 5, 6] tokens, then
-    LearnedActivation."""
+    LearnedActivation; a row and a matrix of stacked parameters picked by a constant index (Zamba's per-layer
+    biases: their gradient a select_scatter into zeros)."""
 
     def __init__(self, n_out=3):
         super().__init__()
         self.wn, self.proj, self.scores = WeightNormNet(6, 6), ProjectedTableNet(5, 6, 2, 6), BiasedScores(6, 2, 6)
         self.std = StandardisedNet(6)
         self.act = LearnedActivation(6)
+        self.rows, self.mats = nn.Parameter(torch.randn(3, 6) * 0.3), nn.Parameter(torch.randn(2, 6, 6) * 0.3)
         self.head = nn.Linear(6, n_out)
 
     def forward(self, x):  # [B, 5, 6]
         img = F.pad(x[:, :3, :4].reshape(x.shape[0], 3, 2, 2), (1, 1, 1, 1))  # [B, 3, 4, 4]
         h = self.wn(x) + self.proj(x) + self.scores(x) + self.std(img).unsqueeze(1)
-        return self.head(self.act(torch.tanh(h)))
+        h = self.act(torch.tanh(h + self.rows[1]))
+        return self.head(h @ self.mats[1] + self.rows.select(0, 2))
 
 
 class BatchShapedAttention(nn.Module):

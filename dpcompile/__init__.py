@@ -46,6 +46,7 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               integer_equalities_decided,
                               size_oblivious_channels_last, size_oblivious_global_avg_pool,
                               size_oblivious_log_sigmoid_backward, size_oblivious_logsumexp,
+                              size_oblivious_solve_triangular,
                               size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check, size_oblivious_one_hot, size_oblivious_prob_cross_entropy,
                               size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
@@ -169,6 +170,7 @@ size_oblivious_repeat()
 size_oblivious_one_hot()
 size_oblivious_log_sigmoid_backward()
 size_oblivious_logsumexp()
+size_oblivious_solve_triangular()
 size_oblivious_prob_cross_entropy()
 size_oblivious_channels_last()
 conv_backward_layout_as_input()

@@ -64,6 +64,9 @@ batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backwar
 ``torch.logsumexp`` asks whether its input is empty (``size_oblivious_logsumexp``: torch's formula without the
 question where no reduced dim is unbacked).
 
+``torch.linalg.solve_triangular``'s fake kernel asks whether A is contiguous before whether it is conjugated
+(``size_oblivious_solve_triangular``: for a real A, the answer torch's other branch gives).
+
 A convolution of a channels-last input with an unbacked batch size: torch's stride check takes a size that
 may be 0 as "not channels-last", so fake and real outputs disagreed (``size_oblivious_channels_last``: an
 unbacked size taken as nonzero there); torch 2.11's fake ``convolution_backward`` lays its gradients out as
@@ -641,6 +644,50 @@ def conv_backward_layout_as_input(*, force: bool = False) -> None:
         return
     _conv_backward_meta_lib = lib
     op.py_kernels[DispatchKey.Meta] = convolution_backward  # what the Python dispatcher (tracing) calls
+    op._dispatch_cache.clear()
+
+
+_solve_triangular_meta_lib = None  # the Library holding size_oblivious_solve_triangular's Meta kernel (kept alive)
+
+
+def size_oblivious_solve_triangular() -> None:
+    """``torch.linalg.solve_triangular`` (Qwen3-Next's gated delta rule) with an unbacked batch size: torch's
+    fake kernel (torch 2.11 and 2.13) first asks whether A's transpose is contiguous, and only then whether A
+    is conjugated, so a real A still gets a question about its size (``Eq(50*u0, 0)``) that an unbacked one
+    cannot answer: dynamo splits the step there. For a real A (never conjugated) the answer is torch's other
+    branch: the broadcast right-hand side's shape, column-major, as the kernel returns it. A complex A, and
+    every call without an unbacked size, is torch's own."""
+    global _solve_triangular_meta_lib
+    if _solve_triangular_meta_lib is not None:
+        return
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.linalg_solve_triangular.default
+    original = op.py_kernels.get(DispatchKey.Meta)
+    if original is None:
+        return
+    meta = importlib.import_module("torch._meta_registrations")
+    broadcast = getattr(meta, "_linalg_broadcast_batch_dims_name", None)
+    if broadcast is None:
+        return
+
+    def linalg_solve_triangular(A, B, *, upper, left=True, unitriangular=False):
+        if A.is_complex() or not (free_unbacked_symbols(A.shape) or free_unbacked_symbols(B.shape)):
+            return original(A, B, upper=upper, left=left, unitriangular=unitriangular)
+        B_, _ = broadcast(B, A, None)
+        return B_.new_empty(B_.transpose(-2, -1).shape).transpose(-2, -1)
+
+    _mark_wrapper(linalg_solve_triangular, original)
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        impl_overriding(lib, "linalg_solve_triangular", linalg_solve_triangular, "Meta")
+    except RuntimeError:  # the kernel stays torch's: only an unbacked batch meets the question
+        lib._destroy()
+        return
+    _solve_triangular_meta_lib = lib
+    op.py_kernels[DispatchKey.Meta] = linalg_solve_triangular
     op._dispatch_cache.clear()
 
 

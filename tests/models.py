@@ -508,7 +508,8 @@ class BatchShapedAttention(nn.Module):
     unbacked one, as in sharded steps), in one block on [B, 5, 6] tokens: Bloom's heads merged by a reshape with
     -1 of a transposed tensor; DeBERTa's position projection repeated over the batch (.repeat(B, 1, 1)); T5's
     decoder mask of batch 1 in SDPA with transposed heads; wav2vec2's GroupNorm with a group per channel (here
-    on the inputs, before a Conv1d); BART's all-ones mask expanded over the heads."""
+    on the inputs, before a Conv1d); BART's all-ones mask expanded over the heads; Qwen3-Next's triangular solve
+    per sample and head."""
 
     def __init__(self, T=5, d=6, heads=2, n_out=3):
         super().__init__()
@@ -529,6 +530,9 @@ class BatchShapedAttention(nn.Module):
         q = (q.reshape(B * H, -1, D) + pos).view(B, H, T, D)
         ones = torch.ones(B, 1, T, T, dtype=x.dtype, device=x.device).expand(-1, H, -1, -1)
         a = F.scaled_dot_product_attention(q, k, v * ones[..., :1], attn_mask=self.mask)
+        # Qwen3-Next's gated delta rule over one chunk: a lower-triangular system per sample and head
+        system = torch.eye(T, dtype=x.dtype, device=x.device) + torch.tril(k @ k.transpose(-1, -2) * 0.1, -1)
+        a = a + torch.linalg.solve_triangular(system, v, upper=False)
         return self.out(torch.tanh(a.transpose(1, 2).reshape(B, T, d)))
 
 

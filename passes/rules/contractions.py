@@ -136,4 +136,23 @@ def _sum_over_samples(an, node, kind, a, b, layouts):
     return Reduced(node)
 
 
-RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm, aten.baddbmm: _baddbmm}
+def _batched_solve(an, node):
+    """linalg_solve_triangular(A, B): one system per index of the dims before the last two (broadcast), so per
+    sample where every per-sample operand holds its samples in one such dim of the output's rank (Qwen3-Next's
+    gated delta rule solves a triangular system per sample, head and chunk)."""
+    found = None
+    for a, s in an.tensor_args(node):
+        if not isinstance(s, Batched):
+            continue
+        if s.dim is None:
+            return SINGLE
+        if ndim(a) != ndim(node) or s.dim >= ndim(a) - 2:
+            return fail_layout(an, node, "solves a system across the sample dim (samples in a matrix dim)")
+        if found is not None and found != s:
+            return fail_layout(an, node, "solves with operands of different sample layouts")
+        found = s
+    return found if found is not None else SINGLE
+
+
+RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm, aten.baddbmm: _baddbmm,
+                         aten.linalg_solve_triangular: _batched_solve}

@@ -242,12 +242,8 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         # a sum over samples scattered to sample-free positions (a position
         # embedding's backward): linear, replayed per sample for the norm
         vals = node.args[3] if t is aten._unsafe_masked_index_put_accumulate.default else node.args[2]
-        indices = node.args[2] if t is aten._unsafe_masked_index_put_accumulate.default else node.args[1]
-        if any(i is None for i in indices):
-            # x[:, :, i, j] of the parameter (F.interpolate of a position embedding): the per-sample replay
-            # (per_sample_norms._replay) scatters with one index per dim
-            raise refuse("the parameter is resized or re-indexed along several dims before it meets the samples "
-                         "(F.interpolate of a parameter); resize it outside the step, or keep its size")
+        # (x[:, :, i, j] of a parameter, F.interpolate of a position embedding: the replay takes the sample
+        # dim whole as well)
         terms, _ = decompose(vals, ctx, param, alpha)
         return terms, False
     raise refuse("this op is applied to the gradient after the sum over samples")

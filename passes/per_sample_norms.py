@@ -650,19 +650,24 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         if masked:
             zero = b.call(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype)
             x = b.call(aten.where.self, node.args[1], x, zero)
-        ni = max(i.meta["val"].dim() for i in indices)
-        bidx = b.view(b.arange(nb.B, x.meta["val"].device), [nb.B] + [1] * ni)
+        ni = max(i.meta["val"].dim() for i in indices if i is not None)
         idx = []
-        for i in indices:
-            if i is None:
-                raise AssertionError("scatter with a None index")
-            iv = i
-            if masked:  # masked-out rows are zero; keep their ids in range
-                iv = ids_in_range(b, i, base.meta["val"].shape[len(idx)])
-            idx.append(iv)
+        for k, i in enumerate(indices):
+            # masked-out rows are zero; keep their ids in range
+            idx.append(ids_in_range(b, i, base.meta["val"].shape[k]) if masked and i is not None else i)
         zeros = b.call(aten.full.default, [nb.B] + list(base.meta["val"].shape), 0.0, dtype=x.meta["val"].dtype,
                        device=x.meta["val"].device)
-        r = b.call(aten.index_put.default, zeros, [bidx] + idx, x, True)
+        if all(i is not None for i in indices):  # the sample's own slice by an index over the samples
+            bidx = b.view(b.arange(nb.B, x.meta["val"].device), [nb.B] + [1] * ni)
+            r = b.call(aten.index_put.default, zeros, [bidx] + idx, x, True)
+        else:  # some dims taken whole (x[:, :, i, j]: F.interpolate's backward): the sample dim taken whole too
+            at = [k for k, i in enumerate(indices) if i is not None]
+            nb.ctx.counters["norm_scatter_dims_whole"] += 1
+            if at != list(range(at[0], at[-1] + 1)):  # indexed dims apart: torch puts the indexed dims first
+                nd = x.meta["val"].dim()
+                x = b.permute(x, list(range(1, ni + 1)) + [0] + list(range(ni + 1, nd)))
+                nb.ctx.counters["norm_scatter_indexed_dims_apart"] += 1
+            r = b.call(aten.index_put.default, zeros, [None] + idx, x, True)
     else:
         raise AssertionError(f"unexpected chain op {t}")
     memo[node] = r

@@ -424,6 +424,9 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("unit_batch_bmm_as_mm", 0) >= 4, counters
     if "reparametrised" in kinds:  # LearnedActivation's two softplus backwards, a where over summed gradients
         assert counters.get("where_of_sums", 0) >= 2, counters
+        # the interpolated position embedding's and t[i, :, j]'s gradients, replayed per sample
+        assert counters.get("norm_scatter_dims_whole", 0) >= 2, counters
+        assert counters.get("norm_scatter_indexed_dims_apart", 0) >= 1, counters
     if name == "per_head_weights":  # the three per-head weights' gradients, batched matmuls
         assert sum(v for k, v in counters.items() if k.startswith("norm_bmm_")) >= 3, counters
     if "embedding_bag" in kinds:  # the three nn.EmbeddingBag as embeddings

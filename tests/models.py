@@ -486,7 +486,9 @@ class ReparametrisedNet(nn.Module):
     """The parameters-through-functions-of-parameters layers in one net (CI time: one compile):
     WeightNormNet, StandardisedNet, ProjectedTableNet and BiasedScores side by side on [B, 5, 6] tokens, then
     LearnedActivation; a row and a matrix of stacked parameters picked by a constant index (Zamba's per-layer
-    biases: their gradient a select_scatter into zeros)."""
+    biases: their gradient a select_scatter into zeros); a position embedding resized with F.interpolate (a
+    ViT at another resolution, PVT: its gradient an index_put with dims taken whole) and a table indexed in two
+    dims apart (t[i, :, j])."""
 
     def __init__(self, n_out=3):
         super().__init__()
@@ -494,11 +496,16 @@ class ReparametrisedNet(nn.Module):
         self.std = StandardisedNet(6)
         self.act = LearnedActivation(6)
         self.rows, self.mats = nn.Parameter(torch.randn(3, 6) * 0.3), nn.Parameter(torch.randn(2, 6, 6) * 0.3)
+        self.pos, self.grid = nn.Parameter(torch.randn(1, 6, 2, 2) * 0.3), nn.Parameter(torch.randn(4, 6, 3) * 0.3)
+        self.register_buffer("at_i", torch.tensor([0, 2, 3, 1, 2]), persistent=False)
+        self.register_buffer("at_j", torch.tensor([1, 0, 2, 2, 1]), persistent=False)
         self.head = nn.Linear(6, n_out)
 
     def forward(self, x):  # [B, 5, 6]
         img = F.pad(x[:, :3, :4].reshape(x.shape[0], 3, 2, 2), (1, 1, 1, 1))  # [B, 3, 4, 4]
         h = self.wn(x) + self.proj(x) + self.scores(x) + self.std(img).unsqueeze(1)
+        pos = F.interpolate(self.pos, size=(3, 2), mode="bicubic", align_corners=False)  # [1, 6, 3, 2]
+        h = h + pos.flatten(2).transpose(1, 2)[:, :5] + self.grid[self.at_i, :, self.at_j]  # ([5, 6])
         h = self.act(torch.tanh(h + self.rows[1]))
         return self.head(h @ self.mats[1] + self.rows.select(0, 2))
 

@@ -241,23 +241,29 @@ def test_samples_on_a_spatial_dim_are_refused(op, name):
     assert name in str(err) and "mixes along the sample dim" in str(err), str(err)
 
 
-def test_a_parameter_resized_by_interpolation_is_refused_with_what_to_do():
-    """A learned grid resized to the input's size (a ViT position embedding at another resolution): its
-    gradient is an index_put at several sample-free indices, which the per-sample replay cannot take."""
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.grid = nn.Parameter(torch.randn(1, 2, 3, 3))
-            self.fc = nn.Linear(2 * 6 * 6, 2)
+class ResizedGrid(nn.Module):
+    """A learned grid resized to the input's size (a ViT position embedding at another resolution, PVT's): its
+    gradient is an index_put at sample-free indices with the channel dims taken whole."""
 
-        def forward(self, x):  # x [B, 2, 6, 6]
-            return self.fc((x + F.interpolate(self.grid, size=(6, 6), mode="bilinear")).flatten(1))
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.grid = nn.Parameter(torch.randn(1, 2, 3, 3))
+        self.fc = nn.Linear(2 * 6 * 6, 2)
 
-    net = Net()
-    step = dpcompile.private_step(lambda x, y: ((net(x) - y) ** 2).sum(1).mean().backward(), max_grad_norm=1.0,
-                                  noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
-    with pytest.raises(dpcompile.DPCompileError, match=r"grid.*resized.*resize it outside the step"):
-        step(torch.randn(4, 2, 6, 6), torch.randn(4, 2))
+    def forward(self, x):  # x [B, 2, 6, 6]
+        return self.fc((x + F.interpolate(self.grid, size=(6, 6), mode=self.mode)).flatten(1))
+
+
+@pytest.mark.parametrize("mode,schedule", [("bilinear", "bk"), ("bicubic", "ghost"), ("nearest", "bk")])
+def test_a_parameter_resized_by_interpolation(mode, schedule):
+    """Each sample's gradient of the grid is its gradient of the resized grid scattered back: exact against
+    the oracle, the scatter replayed per sample with the dims it takes whole (counter)."""
+    torch.manual_seed(0)
+    backend = check_against_reference(ResizedGrid(mode), M.mse, (torch.randn(4, 2, 6, 6),), (torch.randn(4, 2),),
+                                      schedule=schedule, compiler="eager")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["norm_scatter_dims_whole"] >= 1, record.counters
 
 
 class ChannelLastHead(nn.Module):

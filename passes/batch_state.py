@@ -195,16 +195,22 @@ def view_layout(in_shape, out_shape, lay: Batched, B) -> Batched | None:
     if lay.dim is None:
         return SINGLE
     G = lay.inner * prod(in_shape[lay.dim + 1 :])
-    # outermost first: with B == 1 several dims qualify and the outermost is
-    # the natural sample dim; with B > 1 at most one does
+    # with B > 1 at most one dim qualifies. With B == 1 several may: the one with the fewest copies of the batch
+    # (outer) is where a batch of any size would land (copies of the batch split off into dims of their own: a
+    # [E * B * T, d] of tokens repeated per expert viewed as [E, B * T, d]), the outermost among equals
+    found = None
     for e in range(len(out_shape)):
         P = prod(out_shape[e + 1 :])
         if known(G % P == 0):
             i2 = G // P
             size = out_shape[e]
             if known(size % (i2 * B) == 0) and not known(size == 0):
-                return Batched(e, size // (i2 * B), i2)
-    return None
+                lay_e = Batched(e, size // (i2 * B), i2)
+                if not known(B == 1):
+                    return lay_e
+                if found is None or known(lay_e.outer < found.outer):
+                    found = lay_e
+    return found
 
 
 # rules: (analysis, node) -> state

@@ -198,12 +198,16 @@ class RoutedExperts(nn.Module):
     outer products) and a batched matmul, the outputs weighted by the renormalised router probabilities.
     The up-projections are read through a fixed per-expert gain (a buffer): their gradient reaches the table
     through a sample-free factor, so its norm comes from the per-sample gradient, materialised. Three experts:
-    on 2 ranks the expert tables' shards are uneven (2 and 1), so rank 1 cuts its reduced gradient's padding."""
+    on 2 ranks the expert tables' shards are uneven (2 and 1), so rank 1 cuts its reduced gradient's padding.
+    Beside them Llama 4's form: every token repeated once per expert (a repeat of the token dim), scaled by its
+    sigmoid router score, through the experts' weights as one bmm over [experts, tokens, d], summed over the
+    experts."""
 
     def __init__(self, d=6, hidden=8, n_out=3, experts=3, top_k=2):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(d, experts, bias=False)
+        self.w_all = nn.Parameter(torch.randn(experts, d, d) / math.sqrt(d))
         self.w_in = nn.Parameter(torch.randn(experts, hidden, d) / math.sqrt(d))
         self.register_buffer("gain", torch.linspace(0.5, 1.5, experts).view(experts, 1, 1))
         self.w_out = nn.Parameter(torch.randn(experts, d, hidden) / math.sqrt(hidden))
@@ -220,6 +224,9 @@ class RoutedExperts(nn.Module):
         up = F.silu(torch.bmm((self.w_in * self.gain)[e], tokens.unsqueeze(-1)).squeeze(-1))
         down = torch.bmm(self.w_out[e], up.unsqueeze(-1)).squeeze(-1) + self.b_out[e]
         mixed = (down * weights.reshape(-1, 1)).view(-1, self.top_k, d).sum(1)
+        E = self.w_all.shape[0]
+        routed = h.repeat(E, 1) * torch.sigmoid(self.router(h)).transpose(0, 1).reshape(-1, 1)  # [E * N, d]
+        mixed = mixed + torch.bmm(routed.view(E, -1, d), self.w_all).view(-1, d).view(E, -1, d).sum(0)
         return self.head(mixed.view(x.shape) + x)
 
 

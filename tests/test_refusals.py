@@ -232,8 +232,10 @@ def test_indexing_the_sample_dim_out_of_order_is_refused(order):
 
 @pytest.mark.parametrize("how", ["fft", "repeat"])
 def test_fourier_transform_or_tiling_along_the_sample_dim_is_refused(how):
-    """torch.fft over the samples' dim, and Tensor.repeat tiling it, put several samples' values in one place
-    (tests/cases.py fourier_mixer: the same ops off the sample dim, exact)."""
+    """torch.fft over the samples' dim puts several samples' values in one place; Tensor.repeat tiling it keeps
+    each row one sample's (cases.routed_experts: Llama 4's tokens repeated per expert, exact), but rows read
+    from it shifted by one are each the next sample's (tests/cases.py fourier_mixer: fft off the sample dim,
+    exact)."""
     class AcrossSamples(nn.Module):
         def __init__(self):
             super().__init__()
@@ -243,10 +245,10 @@ def test_fourier_transform_or_tiling_along_the_sample_dim_is_refused(how):
             h = self.fc(x)
             if how == "fft":
                 return torch.fft.fft(h, dim=0).real
-            return h.repeat(2, 1)[: x.shape[0]] + h
+            return h.repeat(2, 1)[1: x.shape[0] + 1] + h
 
     expect_refusal(lambda: run(AcrossSamples(), lambda m, x: m(x).pow(2).sum(1).mean(), (torch.randn(4, 5),)),
-                   "along the sample dim" if how == "fft" else "repeats the sample dim")
+                   "along the sample dim" if how == "fft" else "slices along the sample dim")
 
 
 def test_a_hugging_face_model_given_labels_is_refused_saying_to_compute_the_loss_from_logits():

@@ -93,16 +93,18 @@ def _expand(an, node):
 
 def _repeat(an, node):
     """x.repeat(reps): tiles x (new leading dims for extra reps). Tiling along a dim other than the sample dim
-    keeps every sample's values in its own rows; tiling the sample dim would put copies of all samples in one
-    row block, refused."""
+    keeps every sample's values in its own rows. Tiling the sample dim k times lays k copies of the batch one
+    after another: row r of copy q is row r of x, sample (r // inner) % B as before, so the layout's ``outer``
+    copies become k times as many (Llama 4's routed experts: the tokens repeated once per expert)."""
     x, reps = node.args[0], node.args[1]
     s = an.st(x)
     if not isinstance(s, Batched) or s.dim is None:
         return s
     d = s.dim + len(reps) - ndim(x)
-    if not known(reps[d] == 1):
-        return fail_layout(an, node, "repeats the sample dim")
-    return s.moved(d)
+    k = reps[d].meta["val"] if isinstance(reps[d], torch.fx.Node) else reps[d]
+    if known(k == 1):
+        return s.moved(d)
+    return Batched(d, s.outer * k, s.inner)
 
 
 def _slice(an, node):

@@ -57,14 +57,15 @@ class Logits(torch.nn.Module):
 
 
 class Seq2Seq(torch.nn.Module):
-    """An encoder-decoder taking (source, labels): the decoder reads the labels shifted right."""
+    """An encoder-decoder taking (source, labels): the decoder reads the labels shifted right. ``source``: the
+    keyword the encoder takes its input as."""
 
-    def __init__(self, wrapped: Logits):
+    def __init__(self, wrapped: Logits, source: str = "input_ids"):
         super().__init__()
-        self.model = wrapped.model
+        self.model, self.source = wrapped.model, source
 
     def forward(self, source, labels):
-        return self.model(input_ids=source, labels=labels, use_cache=False).logits
+        return self.model(**{self.source: source}, labels=labels, use_cache=False).logits
 
 
 def token_ce(logits, y):
@@ -220,6 +221,66 @@ def wav2vec2():
     with torch.no_grad():  # installs transformers' output-capturing hooks, under a lock dynamo cannot enter
         model(torch.randn(1, 200))
     return Logits(model)
+
+
+KV1 = dict(num_key_value_heads=1, max_position_embeddings=16)
+S2S = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+           encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+           activation_dropout=0.0)
+
+
+def seq2seq_kw(config: str, model: str, **kw):
+    return hf(config, model, "seq2seq", decoder_start_token_id=2, **kw)
+
+
+def audio(config: str, model: str, **kw):
+    """A wav2vec2-style audio classifier (a tiny convolutional feature encoder, frozen as its model card
+    fine-tunes it; one plain forward first, as wav2vec2's entry)."""
+    def make():
+        import transformers
+
+        base = dict(num_labels=3, **BLOCK, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                    num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+                    activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+                    mask_time_prob=0.0, classifier_proj_size=8)
+        m = getattr(transformers, model)(getattr(transformers, config)(**{**base, **kw}))
+        m.freeze_feature_encoder()
+        with torch.no_grad():
+            m(torch.randn(1, 200))
+        return Logits(m)
+
+    return make, lambda: ((torch.randn(B, 200),), (labels(),)), class_ce
+
+
+def speech2text():
+    """Speech2Text: log-mel features [B, frames, features] into the encoder, the decoder teacher-forced."""
+    import transformers
+
+    cfg = transformers.Speech2TextConfig(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         decoder_start_token_id=2, **S2S, max_source_positions=16,
+                                         max_target_positions=16, num_conv_layers=1, conv_kernel_sizes=(3,),
+                                         conv_channels=8, input_feat_per_channel=8, input_channels=1)
+    return Seq2Seq(Logits(transformers.Speech2TextForConditionalGeneration(cfg)), source="input_features")
+
+
+def unused_frozen(entry):
+    """entry with the parameters its forward leaves unused here frozen (found by one plain backward, the RNG
+    state kept): CANINE's projection and final character encoder (token-level tasks), MarkupLM's
+    xpath_unitseq2_embeddings, LUKE's entity embeddings (no entity ids given)."""
+    make, data, loss = entry
+
+    def made():
+        m = make()
+        with torch.random.fork_rng():
+            inputs, targets = data()
+            loss(m(*inputs), *targets).mean().backward()
+        for p in m.parameters():
+            if p.grad is None:
+                p.requires_grad_(False)
+            p.grad = None
+        return m
+
+    return made, data, loss
 
 
 MODELS = {
@@ -465,6 +526,118 @@ MODELS = {
                        timm_model("regnetx_002")[1], class_ce),
     "timm_efficientnet_gn": (lambda: timm_model("efficientnet_b0", norm_layer=group_norm())[0](),
                              timm_model("efficientnet_b0")[1], class_ce),
+    # the 53rd session's sweep of transformers 5.24: state-space and hybrid LMs, routed experts in the batched
+    # form, more decoders, encoder-decoders, encoders, vision and audio models
+    "mamba2": hf("Mamba2Config", "Mamba2ForCausalLM", "lm", hidden_size=16, num_heads=4, head_dim=8, expand=2,
+                 state_size=4, n_groups=1, conv_kernel=3, num_hidden_layers=1, chunk_size=4),
+    "falcon_mamba": hf("FalconMambaConfig", "FalconMambaForCausalLM", "lm", hidden_size=16, state_size=4,
+                       num_hidden_layers=1, expand=2, conv_kernel=3),
+    "jamba": hf("JambaConfig", "JambaForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2}, **KV1,
+                num_experts=4, num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0,
+                attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
+                mamba_dt_rank=4, use_mamba_kernels=False, experts_implementation="batched_mm"),
+    "zamba": hf("ZambaConfig", "ZambaForCausalLM", "lm", hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                attention_head_dim=16, num_key_value_heads=2, intermediate_size=24, n_mamba_heads=2,
+                mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
+                layers_block_type=["mamba", "hybrid", "hybrid"], max_position_embeddings=16),
+    "bamba": hf("BambaConfig", "BambaForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2}, **KV1,
+                attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=4,
+                mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4),
+    "zamba2": hf("Zamba2Config", "Zamba2ForCausalLM", "lm", hidden_size=16, num_hidden_layers=2,
+                 layers_block_type=["mamba", "hybrid"], mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
+                 mamba_ngroups=1, n_mamba_heads=4, chunk_size=4, use_mamba_kernels=False, intermediate_size=24,
+                 num_attention_heads=2, num_key_value_heads=2, num_mem_blocks=1, adapter_rank=4,
+                 max_position_embeddings=16),
+    "falcon_h1": hf("FalconH1Config", "FalconH1ForCausalLM", "lm", **BLOCK, **KV1, mamba_d_ssm=32,
+                    mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=4, mamba_d_conv=3,
+                    mamba_expand=2, mamba_chunk_size=4),
+    "lfm2": hf("Lfm2Config", "Lfm2ForCausalLM", "lm", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, intermediate_size=24, max_position_embeddings=16, conv_L_cache=3,
+               block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"]),
+    "minimax": hf("MiniMaxConfig", "MiniMaxForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2}, **KV1,
+                  head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4,
+                  layer_types=["linear_attention", "full_attention"], experts_implementation="batched_mm"),
+    "qwen3_next": hf("Qwen3NextConfig", "Qwen3NextForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2}, **KV1,
+                     head_dim=8, linear_conv_kernel_dim=3, linear_key_head_dim=4, linear_value_head_dim=4,
+                     linear_num_key_heads=2, linear_num_value_heads=2, moe_intermediate_size=8,
+                     shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                     layer_types=["linear_attention", "full_attention"], experts_implementation="batched_mm"),
+    "llama4_text": hf("Llama4TextConfig", "Llama4ForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2}, **KV1,
+                      head_dim=8, intermediate_size_mlp=24, num_local_experts=2, num_experts_per_tok=1,
+                      interleave_moe_layer_step=2, attention_chunk_size=4),
+    "granitemoe": hf("GraniteMoeConfig", "GraniteMoeForCausalLM", "lm", **BLOCK, **KV1, num_local_experts=4,
+                     num_experts_per_tok=2, experts_implementation="batched_mm"),
+    "granitemoe_shared": hf("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "lm", **BLOCK, **KV1,
+                            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=12,
+                            experts_implementation="batched_mm"),
+    "dots1": hf("Dots1Config", "Dots1ForCausalLM", "lm", **BLOCK, **KV1, n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=8, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+                experts_implementation="batched_mm"),
+    "glm4_moe": hf("Glm4MoeConfig", "Glm4MoeForCausalLM", "lm", **BLOCK, **KV1, head_dim=8, n_routed_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1, first_k_dense_replace=0,
+                   n_group=1, topk_group=1, experts_implementation="batched_mm"),
+    "helium": hf("HeliumConfig", "HeliumForCausalLM", "lm", **BLOCK, **KV1, head_dim=8),
+    "exaone4": hf("Exaone4Config", "Exaone4ForCausalLM", "lm", **{**BLOCK, "num_hidden_layers": 2}, **KV1,
+                  sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "smollm3": hf("SmolLM3Config", "SmolLM3ForCausalLM", "lm", **BLOCK, **KV1),
+    "ernie4_5": hf("Ernie4_5Config", "Ernie4_5ForCausalLM", "lm", **BLOCK, **KV1, head_dim=8),
+    "hunyuan_dense": hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", "lm", **BLOCK, **KV1, head_dim=8),
+    "arcee": hf("ArceeConfig", "ArceeForCausalLM", "lm", **BLOCK, **KV1),
+    "glm4": hf("Glm4Config", "Glm4ForCausalLM", "lm", **BLOCK, **KV1, head_dim=8),
+    "apertus": hf("ApertusConfig", "ApertusForCausalLM", "lm", **BLOCK, **KV1),
+    "doge": hf("DogeConfig", "DogeForCausalLM", "lm", **BLOCK, **KV1),
+    "olmo3": hf("Olmo3Config", "Olmo3ForCausalLM", "lm", **BLOCK, **KV1, sliding_window=4),
+    "marian": seq2seq_kw("MarianConfig", "MarianMTModel", **S2S),
+    "blenderbot": seq2seq_kw("BlenderbotConfig", "BlenderbotForConditionalGeneration", **S2S),
+    "blenderbot_small": seq2seq_kw("BlenderbotSmallConfig", "BlenderbotSmallForConditionalGeneration", **S2S),
+    "umt5": hf("UMT5Config", "UMT5ForConditionalGeneration", "seq2seq", d_model=16, d_kv=8, d_ff=24, num_layers=1,
+               num_heads=2, relative_attention_num_buckets=4, dropout_rate=0.0, decoder_start_token_id=0),
+    "mvp": seq2seq_kw("MvpConfig", "MvpForConditionalGeneration", **S2S),
+    "t5gemma": hf("T5GemmaConfig", "T5GemmaForConditionalGeneration", "seq2seq",
+                  encoder=dict(**BLOCK, **KV1, head_dim=8, vocab_size=VOCAB, sliding_window=4),
+                  decoder=dict(**BLOCK, **KV1, head_dim=8, vocab_size=VOCAB, sliding_window=4),
+                  decoder_start_token_id=2),
+    "canine": unused_frozen(hf("CanineConfig", "CanineForSequenceClassification", "cls", **BLOCK, **NO_DROP,
+                 max_position_embeddings=64, num_hash_functions=2, num_hash_buckets=32, downsampling_rate=2,
+                 upsampling_kernel_size=3, local_transformer_stride=4)),
+    "luke": unused_frozen(hf("LukeConfig", "LukeForSequenceClassification", "cls", **BLOCK, **NO_DROP,
+                             max_position_embeddings=16, entity_vocab_size=8, entity_emb_size=8)),
+    "layoutlm": hf("LayoutLMConfig", "LayoutLMForSequenceClassification", "cls", **BLOCK, **NO_DROP,
+                   max_position_embeddings=16, max_2d_position_embeddings=32),
+    "markuplm": unused_frozen(hf("MarkupLMConfig", "MarkupLMForSequenceClassification", "cls", **BLOCK, **NO_DROP,
+                   max_position_embeddings=16, max_depth=4, max_xpath_tag_unit_embeddings=8,
+                   max_xpath_subs_unit_embeddings=8, xpath_unit_hidden_size=8, tag_pad_id=7, subs_pad_id=7)),
+    "ernie": hf("ErnieConfig", "ErnieForSequenceClassification", "cls", **BLOCK, **NO_DROP,
+                max_position_embeddings=16, use_task_id=True, task_type_vocab_size=3),
+    "data2vec_text": hf("Data2VecTextConfig", "Data2VecTextForSequenceClassification", "cls", **BLOCK, **NO_DROP,
+                        max_position_embeddings=16),
+    "gpt_neox_japanese": hf("GPTNeoXJapaneseConfig", "GPTNeoXJapaneseForCausalLM", "lm", hidden_size=16,
+                            num_hidden_layers=1, num_attention_heads=2, intermediate_multiple_size=2,
+                            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0),
+    "hf_data2vec_vision": hf("Data2VecVisionConfig", "Data2VecVisionForImageClassification", "image",
+                             image_size=16, patch_size=4, **BLOCK, **NO_DROP, use_relative_position_bias=True),
+    "hf_swinv2": hf("Swinv2Config", "Swinv2ForImageClassification", "image", image_size=16, patch_size=2,
+                    embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2, drop_path_rate=0.0, **NO_DROP),
+    "hf_poolformer": hf("PoolFormerConfig", "PoolFormerForImageClassification", "image", hidden_sizes=[8, 16],
+                        depths=[1, 1], num_encoder_blocks=2, patch_sizes=[3, 3], strides=[2, 2], padding=[1, 1],
+                        pool_size=3, drop_path_rate=0.0, hidden_dropout_prob=0.0),
+    "hf_bit": hf("BitConfig", "BitForImageClassification", "image", embedding_size=8, hidden_sizes=[8, 16],
+                 depths=[1, 1], layer_type="preactivation", global_padding="SAME", num_groups=4,
+                 drop_path_rate=0.0),
+    "hf_pvt": hf("PvtConfig", "PvtForImageClassification", "image", image_size=16, num_encoder_blocks=2,
+                 depths=[1, 1], sequence_reduction_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[4, 2],
+                 strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], drop_path_rate=0.0, **NO_DROP),
+    "hf_hiera": hf("HieraConfig", "HieraForImageClassification", "image", image_size=[16, 16], patch_size=[3, 3],
+                   patch_stride=[2, 2], patch_padding=[1, 1], embed_dim=8, num_heads=[1, 2], depths=[1, 1],
+                   embed_dim_multiplier=2.0, num_query_pool=1, query_stride=[2, 2], masked_unit_size=[2, 2],
+                   masked_unit_attention=[True, False], drop_path_rate=0.0),
+    "hf_hubert": audio("HubertConfig", "HubertForSequenceClassification"),
+    "hf_wavlm": audio("WavLMConfig", "WavLMForSequenceClassification", num_buckets=8, max_bucket_distance=16),
+    "hf_data2vec_audio": audio("Data2VecAudioConfig", "Data2VecAudioForSequenceClassification",
+                               conv_pos_kernel_size=3, num_conv_pos_embeddings=4),
+    "hf_sew": audio("SEWConfig", "SEWForSequenceClassification", squeeze_factor=2),
+    "hf_unispeech": audio("UniSpeechConfig", "UniSpeechForSequenceClassification"),
+    "hf_speech2text": (speech2text, lambda: ((torch.randn(B, 12, 8), tokens()), (tokens(),)), token_ce),
 }
 
 

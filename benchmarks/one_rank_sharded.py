@@ -1,5 +1,8 @@
 """A one-rank sharded DP step on a GPU (NCCL, dpcompile.fully_shard on a 1-rank mesh, a small transformers Llama)
-against the same step unsharded, through Inductor, both schedules: torchrun --nproc-per-node 1 benchmarks/one_rank_sharded.py"""
+against the same step unsharded, through Inductor, both schedules; exit status 1 if they differ:
+
+    torchrun --nproc-per-node 1 benchmarks/one_rank_sharded.py [bk] [ghost]
+"""
 import copy
 import sys
 

@@ -45,7 +45,8 @@ _UNBACKED_BATCH_ADVICE = {
                       "unknown at compile time (dpcompile.mark_batch, Poisson sampling, sharded steps) cannot "
                       "answer: use torch >= 2.13, or another padding mode",
 }
-# A logging call in model code (transformers' logger.warning_once): dynamo breaks the graph there
+# A logging call in model code (transformers' logger.warning_once): dynamo breaks the graph there, saying so
+# (_LOGGING_MARKER), or the rest of the frame is resumed after the call (its source line: _LOGGING_CALL)
 _LOGGING_MARKER = "logging.Logger method"
 _LOGGING_CALL = re.compile(r"(?i)log\w*(\([^)]*\))?\.(debug|info|warning|warn|warning_once|info_once)\(")
 _LOGGING_ADVICE = (
@@ -79,18 +80,18 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     owner = tx.f_locals.get("self") if tx is not None else None
     fsdp2 = _is_stock_fsdp(owner) or any("distributed/fsdp" in f.filename.replace("\\", "/")
                                          for f in getattr(reason, "user_stack", None) or ())
-    what = None
+    what, logged = None, False  # logged: the break is a logging call
     if reason is not None and reason.graph_break and not _is_backward_call(reason):
         why = reason.reason.strip().splitlines()[0] if reason.reason else "no reason given"
         what = f"dynamo split the step at a graph break{_where(reason)}: {why}"
+        logged = _LOGGING_MARKER in why
     elif tx is not None and tx.f_code.co_name.startswith(_RESUME):
         fn, _, line = tx.f_code.co_name[len(_RESUME):].rpartition("_at_")
         code = linecache.getline(tx.f_code.co_filename, int(line)).strip() if line.isdigit() else ""
         what = (f"this graph is the rest of {fn} ({tx.f_code.co_filename}), which dynamo resumed after a graph "
                 f"break at line {line}{f' ({code})' if code else ''}; the frames that called it were split before "
                 f"it as well")
-        if _LOGGING_CALL.search(code):
-            what += f" ({_LOGGING_MARKER} call)"
+        logged = _LOGGING_CALL.search(code) is not None
     elif tx is not None and _is_dpcompile_code(tx.f_code):
         # e.g. the property that gathers a sharded parameter (dpcompile.fully_shard), compiled as a frame of its
         # own because dynamo ran the model code that read the parameter without a graph (a frame it gave up on)
@@ -110,7 +111,7 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
     if advice is None and any(m in text.replace("\\", "/") for m in _HF_LOSS_MARKERS):
         advice = _HF_LOSS_ADVICE
-    if advice is None and _LOGGING_MARKER in what:
+    if advice is None and logged:
         advice = _LOGGING_ADVICE
     return Split(what, advice or GENERIC_ADVICE)
 

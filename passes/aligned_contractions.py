@@ -251,11 +251,6 @@ def _viewable(x: fx.Node, shape: list) -> bool:
     return True
 
 
-def _shape_values(shape) -> list:
-    """A view's shape argument with its symbolic sizes (nodes) as their values."""
-    return [d.meta["val"] if isinstance(d, fx.Node) else d for d in shape]
-
-
 def _sizes(node: fx.Node):
     """(mat1, mat2, M, K, N) of mm/bmm/addmm-like nodes; ``None`` for others."""
     t = node.target
@@ -293,7 +288,7 @@ def aligned_contractions_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.Grap
             # do not allow (a bmm's [E, N, d] output viewed as [E * N, d]) get a contiguous copy (collectives
             # need it, callers expect eager's strides)
             strict = [u for u in node.users if u.op == "output" or is_collective(u) or u.target in _DENSE_INPUTS
-                      or u.target in _VIEWS and not _viewable(out, _shape_values(u.args[1]))]
+                      or u.target in _VIEWS and not _viewable(out, fx.node.map_arg(u.args[1], lambda n: n.meta["val"]))]
             dense = padder.b.call(aten.clone.default, out, memory_format=torch.contiguous_format) if strict and (
                 pn or (pm and out.meta["val"].dim() == 3)) else out
         node.replace_all_uses_with(out)

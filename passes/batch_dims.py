@@ -31,7 +31,7 @@ from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
 from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, ROW_ORDER_STATES, SINGLE,
-                          SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_masking, is_zero_constant,
+                          SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_zero_constant,
                           loss_not_per_sample, sample_count_sum, where_branches)
 from .context import DPPassContext
 from .rules import row_order, rule_for
@@ -266,13 +266,11 @@ class BatchDimAnalysis:
         if t in (aten.slice_scatter.default, aten.select_scatter.default) and is_zero_constant(node.args[0]) and \
                 isinstance(self.states.get(node.args[1]), Reduced):
             return Reduced(r.origin)  # a sum over samples placed into zeros (x[i:j] or x[i] of a parameter): linear
-        if t is aten.where.self and is_masking(self, node):
-            return Reduced(r.origin)
         if t is aten.where.self and self.states.get(node.args[0]) is FREE and \
                 all(isinstance(self.states.get(x), Reduced) for x in where_branches(node)):
-            # each element from one of two sums over samples (or zero) by a sample-free cond: linear in the
-            # samples' contributions (softplus's backward on a learned scalar: xIELU's alpha); replayed per
-            # sample for the norm
+            # each element from one of two sums over samples, or zero, by a sample-free cond: linear in the
+            # samples' contributions (a mask; softplus's backward on a learned scalar: xIELU's alpha); replayed
+            # per sample for the norm
             self.ctx.counters["where_of_sums"] += 1
             return Reduced(r.origin)
         if t in (aten.mm.default, aten.bmm.default):

@@ -146,20 +146,6 @@ def is_zero_constant(a: Any) -> bool:
     return False
 
 
-def masked_operand(node: fx.Node) -> fx.Node | None:
-    """x of where(cond, x, 0) / where(cond, 0, x) when it keeps x's shape, else None."""
-    _, a, b = node.args[:3]
-    x = a if is_zero_constant(b) else b if is_zero_constant(a) else None
-    if isinstance(x, fx.Node) and tuple(node.meta["val"].shape) == tuple(x.meta["val"].shape):
-        return x
-    return None
-
-
-def is_masking(an: "BatchDimAnalysis", node: fx.Node) -> bool:
-    """where with a sample-free cond and a zero branch: linear in the other branch."""
-    return an.st(node.args[0]) is FREE and masked_operand(node) is not None
-
-
 def where_branches(node: fx.Node) -> list[fx.Node]:
     """The branches of where(cond, a, b) that are not zero constants."""
     return [x for x in node.args[1:3] if not is_zero_constant(x)]
@@ -218,6 +204,29 @@ def fail_layout(an: "BatchDimAnalysis", node: fx.Node, why: str):
     if known(an.B == 1):
         return SINGLE
     raise an.refuse(node, why)
+
+
+def same_layout(a: Batched, b: Batched) -> bool:
+    # outer/inner may be symbolic: equal only if provably so
+    return a.dim == b.dim and known(a.outer == b.outer) and known(a.inner == b.inner)
+
+
+def one_layout(an: "BatchDimAnalysis", node: fx.Node, allowed, why: str):
+    """The one layout of node's per-sample tensor operands, each checked by allowed(operand, its state) (else
+    refused with why); SINGLE if one is a single sample's, None if none is per sample."""
+    name = node.target.overloadpacket.__name__
+    found = None
+    for a, s in an.tensor_args(node):
+        if not isinstance(s, Batched):
+            continue
+        if s.dim is None:
+            return SINGLE
+        if not allowed(a, s):
+            return fail_layout(an, node, f"{name} {why}")
+        if found is not None and not same_layout(found, s):
+            return fail_layout(an, node, f"{name} combines per-sample operands with different sample layouts")
+        found = s
+    return found
 
 
 # cross-rank sums (FSDP gradient reduction): linear

@@ -20,7 +20,7 @@ from dpcompile.fx_utils import known, module_of, op_name
 
 from .batch_state import (COLLECTIVE_REDUCTIONS, FREE, Batched, Contribution, Mixed, has_collective_reductions,
                           is_gradient_reduction,
-                          is_zero_constant, masked_operand, where_branches)
+                          is_zero_constant, where_branches)
 from .context import DPPassContext, ParamInfo
 
 aten = torch.ops.aten
@@ -228,12 +228,8 @@ def decompose(node: fx.Node, ctx: DPPassContext, param: ParamInfo, alpha: float 
         terms, simple = decompose(node.args[0], ctx, param, alpha)
         return terms, simple and _reduced_by_collective(node.args[0])
     if t is aten.where.self and ctx.states.get(node.args[0]) is FREE:
-        x = masked_operand(node)
-        if x is not None:
-            terms, _ = decompose(x, ctx, param, alpha)
-            return terms, False
-        # each element from one of two gradients (both on the chain; batch_dims proved them sums over
-        # samples): the contributions of both, the per-sample gradient replayed through the where
+        # each element from one of two gradients, or zero (batch_dims proved the branches sums over samples):
+        # the contributions of both, the per-sample gradient replayed through the where
         terms = []
         for x in where_branches(node):
             terms += [tc for tc in decompose(x, ctx, param, alpha)[0] if all(tc[0] is not c for c, _ in terms)]

@@ -36,7 +36,7 @@ from dpcompile.fx_utils import GraphBuilder, known
 from . import conv_norms
 from .sample_factors import (add_all as _add_all, bmm_f32, ids_in_range, sample_major, spans as _spans,
                              transpose12 as _transpose12)
-from .batch_state import Batched, Contribution, Permuted, is_zero_constant, masked_operand
+from .batch_state import Batched, Contribution, Permuted, is_zero_constant
 from .context import DPPassContext
 from .grouped_norms import GroupedNorms, in_sample_order
 from .shared_norms import outer_terms, shared_sq
@@ -628,14 +628,7 @@ def _replay(b: GraphBuilder, nb: NormBuilder, node: fx.Node, pg: ParamGrad, memo
         args[0], args[1] = zeros, x
         args[2] = (args[2] if len(args) > 2 else 0) % base.dim() + 1
         r = b.call(t, *args)
-    elif t is aten.where.self and masked_operand(node) is not None:
-        c, a = node.args[:2]
-        kept = masked_operand(node)
-        keep_first = kept is a
-        x = _replay(b, nb, kept, pg, memo)
-        zero = b.call(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype)
-        r = b.call(aten.where.self, c, x, zero) if keep_first else b.call(aten.where.self, c, zero, x)
-    elif t is aten.where.self:  # both branches on the chain (or one a zero of another shape), by a free cond
+    elif t is aten.where.self:  # each branch on the chain or zero, by a sample-free cond
         nd = node.meta["val"].dim()
         xs = [None if is_zero_constant(v) else _per_sample_of(b, nb, _replay(b, nb, v, pg, memo), v, nd)
               for v in node.args[1:3]]

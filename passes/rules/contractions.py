@@ -10,7 +10,7 @@ import torch
 
 from dpcompile.fx_utils import known
 
-from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim
+from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim, one_layout
 
 aten = torch.ops.aten
 
@@ -140,17 +140,8 @@ def _batched_solve(an, node):
     """linalg_solve_triangular(A, B): one system per index of the dims before the last two (broadcast), so per
     sample where every per-sample operand holds its samples in one such dim of the output's rank (Qwen3-Next's
     gated delta rule solves a triangular system per sample, head and chunk)."""
-    found = None
-    for a, s in an.tensor_args(node):
-        if not isinstance(s, Batched):
-            continue
-        if s.dim is None:
-            return SINGLE
-        if ndim(a) != ndim(node) or s.dim >= ndim(a) - 2:
-            return fail_layout(an, node, "solves a system across the sample dim (samples in a matrix dim)")
-        if found is not None and found != s:
-            return fail_layout(an, node, "solves with operands of different sample layouts")
-        found = s
+    found = one_layout(an, node, lambda a, s: ndim(a) == ndim(node) and s.dim < ndim(a) - 2,
+                       "solves a system across the sample dim (samples in a matrix dim)")
     return found if found is not None else SINGLE
 
 

@@ -25,19 +25,10 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import known
 
-from ..batch_state import FREE, SINGLE, Batched, fail_layout, ndim, norm_dim, shape_of
+from ..batch_state import FREE, SINGLE, Batched, fail_layout, ndim, norm_dim, one_layout, same_layout, shape_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-
-def _name(node: fx.Node) -> str:
-    return node.target.overloadpacket.__name__
-
-
-def _same_layout(a: Batched, b: Batched) -> bool:
-    # outer/inner may be symbolic: equal only if provably so
-    return a.dim == b.dim and known(a.outer == b.outer) and known(a.inner == b.inner)
 
 
 def _for_each_output(node: fx.Node, state):
@@ -46,28 +37,11 @@ def _for_each_output(node: fx.Node, state):
     return tuple(state for _ in v) if isinstance(v, (tuple, list)) else state
 
 
-def _one_layout(an, node: fx.Node, allowed, why: str):
-    """The one layout of node's per-sample tensor operands, each checked by allowed(operand, its state) (else
-    refused with why); SINGLE if one is a single sample's, None if none is per sample."""
-    found = None
-    for a, s in an.tensor_args(node):
-        if not isinstance(s, Batched):
-            continue
-        if s.dim is None:
-            return SINGLE
-        if not allowed(a, s):
-            return fail_layout(an, node, f"{_name(node)} {why}")
-        if found is not None and not _same_layout(found, s):
-            return fail_layout(an, node, f"{_name(node)} combines per-sample operands with different sample layouts")
-        found = s
-    return found
-
-
 def _leading_layout(an, node: fx.Node, k: int):
     """The one layout of node's per-sample tensor operands, each checked to hold its samples before its
     last k (spatial) dims. Every operand of these ops has the output's number of dims, so the output's
     sample dim is the operands'."""
-    found = _one_layout(an, node, lambda a, s: s.dim < ndim(a) - k, "mixes along the sample dim")
+    found = one_layout(an, node, lambda a, s: s.dim < ndim(a) - k, "mixes along the sample dim")
     return found if found is not None else SINGLE
 
 
@@ -105,7 +79,7 @@ def _scatter(an, node):
             return SINGLE
         if s.dim == k:
             return fail_layout(an, node, f"{name} scatters along the sample dim")
-        if found is not None and not _same_layout(found, s):
+        if found is not None and not same_layout(found, s):
             return fail_layout(an, node, f"{name} combines operands with different sample layouts")
         found = s
     if found is None:
@@ -240,7 +214,7 @@ def _grid_sampler(an, node):
     """grid_sample (and its backward): the input [N, C, *spatial], the grid [N, *out, k] and the output's gradient
     [N, C, *out] meet only at equal N, which each image reads on its own: every per-sample operand must hold its
     samples on dim 0, laid out alike, and every output (the backward's input and grid gradients) keeps that."""
-    found = _one_layout(an, node, lambda a, s: s.dim == 0, "with the samples off the images' dim 0")
+    found = one_layout(an, node, lambda a, s: s.dim == 0, "with the samples off the images' dim 0")
     return _for_each_output(node, FREE if found is None else found)
 
 

@@ -49,9 +49,11 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               size_oblivious_solve_triangular,
                               size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check, size_oblivious_one_hot, size_oblivious_prob_cross_entropy,
-                              size_oblivious_repeat, size_oblivious_reshape, size_oblivious_sdpa,
+                              size_oblivious_repeat, size_oblivious_reshape,
+                              size_oblivious_cumsum, size_oblivious_roll, size_oblivious_sdpa,
                               uniform_fold_skips_unbacked_guards)
 from dpcompile.config import DPConfig  # noqa: E402
+from dpcompile.step_split import remember_graph_breaks  # noqa: E402
 from dpcompile.ctc_loss import trace_ctc_loss_as_one_op  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.eager_guard import RECOMPILE_LIMIT, non_private  # noqa: E402
@@ -167,6 +169,9 @@ size_oblivious_global_avg_pool()
 size_oblivious_reshape()
 size_oblivious_norm_batch_check()
 size_oblivious_repeat()
+size_oblivious_cumsum()
+size_oblivious_roll()
+remember_graph_breaks()
 size_oblivious_one_hot()
 size_oblivious_log_sigmoid_backward()
 size_oblivious_logsumexp()

@@ -58,6 +58,10 @@ batch size cannot answer (``size_oblivious_reshape``: the -1 inferred in Python,
 The autograd formula of ``repeat`` asks whether each count is 1, which an unbacked count (a repeat over the
 batch) cannot answer (``size_oblivious_repeat``: views and a copy, whose backward does not ask).
 
+The autograd formula of ``torch.cumsum`` asks whether the gradient has at most one element
+(``size_oblivious_cumsum``: torch's backward without the question); ``torch.roll``'s decomposition asks whether
+its input is empty (``size_oblivious_roll``: torch's gather without the question where the rolled dims are known).
+
 ``F.logsigmoid``'s backward asks on CPU whether its saved buffer, of the batch's size, is empty
 (``size_oblivious_log_sigmoid_backward``: asked with ``guard_or_false``, exp(-|x|) recomputed where it cannot tell).
 
@@ -166,6 +170,11 @@ def _wrap_once(owner, name: str, wrap) -> None:
         return
     _mark_wrapper(new, original)
     setattr(owner, name, staticmethod(new) if static else new)
+
+
+def wrap_method_once(owner, name: str, wrap) -> None:
+    """_wrap_once for dpcompile's other modules: owner.name replaced by wrap(original), once."""
+    _wrap_once(owner, name, wrap)
 
 
 def _wrap_entry_once(table: dict, key, wrap) -> bool:
@@ -546,6 +555,43 @@ def size_oblivious_repeat() -> None:
             op.py_impl(key)(repeat)
 
 
+def size_oblivious_cumsum() -> None:
+    """``torch.cumsum`` with an unbacked batch size (a scan over the sequence: Mamba-2's and Bamba's segment
+    sums, Qwen3-Next's gated delta rule): its autograd formula (torch 2.11 and 2.13, C++) first asks whether the
+    gradient has at most one element (``40*u0 <= 1``), which an unbacked size cannot answer, and the compile of
+    a sharded step fails, with stock ``torch.compile`` and ``mark_unbacked`` too. A Python autograd kernel, used
+    only while tracing and only where the input's size has an unbacked symbol, applies torch's own kernel below
+    autograd with torch's backward (the gradient cast to the input's dtype, cumsum'd reversed along the dim),
+    without the question: for zero or one element that backward is the gradient itself, as torch's shortcut
+    gives. Any other call is torch's own autograd kernel."""
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.cumsum.default
+
+    class _Cumsum(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, dtype):
+            ctx.dim, ctx.in_dtype = dim, x.dtype
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(x, dim, dtype=dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            g = grad.to(ctx.in_dtype)
+            return g.flip(ctx.dim).cumsum(ctx.dim).flip(ctx.dim), None, None
+
+    def cumsum(self, dim, *, dtype=None):
+        if not free_unbacked_symbols(self.shape) or not self.requires_grad:
+            return op._op_dk(DispatchKey.Autograd, self, dim, dtype=dtype)  # torch's own autograd kernel
+        return _Cumsum.apply(self, dim, dtype)
+
+    for key in (DispatchKey.AutogradCPU, DispatchKey.AutogradCUDA):
+        if key not in op.py_kernels:
+            op.py_impl(key)(cumsum)
+
+
 def size_oblivious_channels_last() -> None:
     """A convolution's output layout follows its input's (``suggest_memory_format``): channels-last strides in,
     channels-last out, eager and fake tensors alike. torch's Python check of the strides
@@ -782,6 +828,38 @@ def size_oblivious_logsumexp() -> None:
         return logsumexp
 
     _wrap_decomposition_once(torch.ops.aten.logsumexp.default, wrap)
+
+
+def size_oblivious_roll() -> None:
+    """``torch.roll`` with an unbacked batch size (a shift along the sequence or the channels, token shift in
+    RWKV-like mixers): torch's decomposition (``torch._refs.roll``, torch 2.11 and 2.13), which fake tensors and
+    Inductor run, first asks whether the input is empty (``Eq(40*u0, 0)``), which an unbacked size cannot
+    answer: dynamo splits the step there. Where every rolled dim has a size known when tracing, the same gather
+    torch's formula takes (``index_select`` at ``(start + arange(size)) % size``, dim by dim), without the
+    question: an empty batch gives an empty result, as torch's empty branch does. A roll of an unbacked dim, a
+    flattened roll and every call without an unbacked size are torch's own."""
+    import torch
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    def wrap(original):
+        def roll(a, shifts, dims=()):
+            shifts = tuple(shifts) if isinstance(shifts, (list, tuple)) else (shifts,)
+            dims = tuple(dims) if isinstance(dims, (list, tuple)) else (dims,)
+            if not free_unbacked_symbols(a.shape) or a.dim() == 0 or not dims or len(shifts) != len(dims) or \
+                    any(free_unbacked_symbols(a.shape[d]) or isinstance(s, torch.SymInt)
+                        for s, d in zip(shifts, dims)):
+                return original(a, shifts, dims)
+            out = a
+            for shift, dim in zip(shifts, dims):
+                size = int(a.shape[dim])
+                if size == 0:
+                    return a.clone()
+                index = torch.fmod((size - shift) % size + torch.arange(size, device=a.device), size)
+                out = out.index_select(dim, index)
+            return out if out is not a else a.clone()
+        return roll
+
+    _wrap_decomposition_once(torch.ops.aten.roll.default, wrap)
 
 
 def _wrap_decomposition_once(op, wrap) -> None:

@@ -11,6 +11,7 @@ that into a message that says where the step was split, why, and what to do.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import linecache
 import os
@@ -21,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.batching import traced_frame
+from dpcompile.compat import wrap_method_once
 
 _FSDP2_ADVICE = (
     "the model is wrapped with torch.distributed.fsdp.fully_shard (FSDP2), whose hooks run outside the graph "
@@ -64,6 +66,72 @@ _HF_LOSS_ADVICE = (
     "reduction='none').view(B, T - 1); loss = per_token.mean(1).mean()"
 )
 
+# The graph breaks dynamo met last: a frame dynamo gave up on (a break in a loop skips the whole frame) leaves no
+# graph to say why, only the graphs of what it called (remember_graph_breaks)
+_RECENT_BREAKS: collections.deque[_Break] = collections.deque(maxlen=4)
+_BREAK_PREAMBLES = ("Encountered graph break when attempting", "Consider annotating your code using torch._check*(). ")
+_BRANCH_ON_BATCH_ADVICE = (
+    "the model code branches on a size that holds the batch size, which a batch size unknown at compile time "
+    "(sharded steps, dpcompile.mark_batch, Poisson sampling) cannot answer: ask about the size you mean instead "
+    "(e.g. the sequence length rather than numel()), or move the branch out of the step"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Break:
+    where: str  # file:line (source) of the user code
+    why: str  # the reason's first line
+    user_branch: bool  # a bool of a symbolic size asked by the user code itself (if x.numel() > 0:)
+
+
+def remember_graph_breaks() -> None:
+    """Keep where and why dynamo broke its graphs (its own log of them is off unless TORCH_LOGS asks), for the
+    message about a graph that is only part of the step: a break in a loop makes dynamo skip the whole frame,
+    and the graphs left (a sharded parameter's get) do not say why."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    def wrap(original):
+        def log_graph_break(self, code_options, reason, exc):
+            if not getattr(exc, "logged", True) and getattr(exc, "gb_type", "") != "graph break in loop":
+                try:
+                    _RECENT_BREAKS.append(_describe_break(reason, exc))
+                except Exception:  # noqa: BLE001 - a message's detail: never in the way of dynamo's own handling
+                    pass
+            return original(self, code_options, reason, exc)
+        return log_graph_break
+
+    wrap_method_once(InstructionTranslatorBase, "log_graph_break", wrap)
+
+
+def _describe_break(reason: str, exc: Any) -> _Break:
+    stack = getattr(exc, "real_stack", None) or torch._guards.TracingContext.extract_stack()
+    where = "an unknown line"
+    if stack:
+        f = stack[-1]
+        where = f"{f.filename}:{f.lineno}" + (f" ({f.line.strip()})" if f.line else "")
+    lines = [ln.strip() for ln in (reason or "").splitlines() if ln.strip()]
+    why = next((ln.removeprefix(_BREAK_PREAMBLES[1]) for ln in lines if not ln.startswith(_BREAK_PREAMBLES[0])),
+               "no reason given")
+    # dynamo's "Caused by:" line names where the guard was asked: its own evaluate_expr for a bool in user code
+    caused = next((ln for ln in lines if ln.startswith("Caused by:")), "")
+    user_branch = "data-dependent" in why and "_dynamo/variables/" in caused.replace("\\", "/")
+    return _Break(where, why, user_branch)
+
+
+def _last_break() -> _Break | None:
+    return _RECENT_BREAKS[-1] if _RECENT_BREAKS else None
+
+
+def _last_break_at(reason: Any) -> _Break | None:
+    """dynamo's account of the break at the line where the graph's own reason says it broke: the one that says
+    which size question broke it where there is one (a frame traced again on its own only says "Data-dependent
+    branching"), else the last."""
+    stack = getattr(reason, "user_stack", None) or []
+    if not stack:
+        return None
+    here = [b for b in reversed(_RECENT_BREAKS) if b.where.startswith(f"{stack[-1].filename}:{stack[-1].lineno}")]
+    return next((b for b in here if b.user_branch), here[0] if here else None)
+
 
 @dataclasses.dataclass(frozen=True)
 class Split:
@@ -80,11 +148,14 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     owner = tx.f_locals.get("self") if tx is not None else None
     fsdp2 = _is_stock_fsdp(owner) or any("distributed/fsdp" in f.filename.replace("\\", "/")
                                          for f in getattr(reason, "user_stack", None) or ())
-    what, logged = None, False  # logged: the break is a logging call
+    # logged: the break is a logging call; last: dynamo's last break, told after what; branch: a user's bool
+    what, logged, last, branch = None, False, None, False
     if reason is not None and reason.graph_break and not _is_backward_call(reason):
         why = reason.reason.strip().splitlines()[0] if reason.reason else "no reason given"
-        what = f"dynamo split the step at a graph break{_where(reason)}: {why}"
+        same = _last_break_at(reason)  # dynamo's own account of this break, where its reason is terse
+        what = f"dynamo split the step at a graph break{_where(reason)}: {same.why if same else why}"
         logged = _LOGGING_MARKER in why
+        branch = same is not None and same.user_branch
     elif tx is not None and tx.f_code.co_name.startswith(_RESUME):
         fn, _, line = tx.f_code.co_name[len(_RESUME):].rpartition("_at_")
         code = linecache.getline(tx.f_code.co_filename, int(line)).strip() if line.isdigit() else ""
@@ -99,12 +170,18 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         what = (f"this graph is dpcompile's {tx.f_code.co_name}{of} ({tx.f_code.co_filename}:"
                 f"{tx.f_code.co_firstlineno}) compiled on its own, without the batch or the loss: dynamo split "
                 f"or gave up on the model code that called it")
+        last = _last_break()
     elif isinstance(owner, torch.nn.Module) and tx.f_code.co_name == "forward":
         what = (f"this graph is {type(owner).__name__}.forward ({tx.f_code.co_filename}:"
                 f"{tx.f_code.co_firstlineno}) compiled on its own, without the loss: the frame that called it "
                 f"was split at a graph break before the call")
+        last = _last_break()
     if what is None:
         return None
+    if last is not None:
+        what += f"; the last graph break dynamo met was at {last.where}: {last.why}"
+        logged = logged or _LOGGING_MARKER in last.why
+        branch = last.user_branch
     if fsdp2:
         return Split(what, _FSDP2_ADVICE)
     text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
@@ -113,6 +190,8 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         advice = _HF_LOSS_ADVICE
     if advice is None and logged:
         advice = _LOGGING_ADVICE
+    if advice is None and branch:
+        advice = _BRANCH_ON_BATCH_ADVICE
     return Split(what, advice or GENERIC_ADVICE)
 
 

@@ -374,9 +374,6 @@ SHARDED_LEFT_OUT = {
                      "the graph at the transform on Eq(18*u0, 0), and dpcompile refuses the split step",
     "spatial_transformer": "torch 2.13 cannot trace F.affine_grid with an unbacked batch size: dynamo breaks the "
                            "graph on u0 > 3, and dpcompile refuses the split step",
-    "sequence_ops": "torch 2.13 cannot trace roll and cumsum with an unbacked batch size (a sharded step's): "
-                    "dynamo breaks the graph at roll on Eq(40*u0, 0), and stock torch.compile fails on cumsum's "
-                    "backward the same way (numel <= 1)",
 }
 SHARDED_LAYER_KINDS = {n: c for n, c in SMALL_LAYER_CASES.items() if n not in ALONE_CASES and n not in SHARDED_LEFT_OUT}
 # The layer kinds in two halves, each one side-by-side model. Sharded, bk runs one half and ghost the other, op by

@@ -632,6 +632,30 @@ def test_logsumexp_of_an_unbacked_batch_traces_whole_with_eagers_gradient(device
     _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_cumsum_and_roll_of_an_unbacked_batch_trace_whole_with_eagers_gradient(device, backend):
+    """torch.cumsum and torch.roll along the sequence with an unbacked batch (a sharded step's): roll's
+    decomposition asks whether its input is empty (Eq(20*u0, 0): dynamo broke the graph, size_oblivious_roll)
+    and cumsum's autograd formula whether the gradient has at most one element (20*u0 <= 1: the joint trace
+    failed, size_oblivious_cumsum). The value and the gradient are eager's for batches of 3, 1 and 0, a roll
+    over one dim and over two, a cumsum in another dtype."""
+    import torch
+
+    from dpcompile.compat import size_oblivious_cumsum, size_oblivious_roll
+
+    size_oblivious_cumsum()
+    size_oblivious_roll()
+    w = torch.nn.Parameter(torch.randn(4, 20, device=device))
+
+    def loss(x):
+        h = (x @ w).view(-1, 4, 5)
+        mixed = torch.roll(h, 1, 1) * torch.roll(h, (-2, 1), (2, 1)) + torch.cumsum(h, 2, dtype=torch.float64)
+        return mixed.pow(2).sum()
+
+    _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device)
+
+
 def _compiled_matches_eager_for_unbacked_batches(loss, w, backend: str, device: str) -> None:
     """loss(x) compiled whole (fullgraph) with x's batch unbacked: its value and its gradient for w are eager's,
     for batches of 3, 1 and 0 samples of 4 features."""

@@ -548,8 +548,52 @@ def test_a_graph_of_dpcompiles_own_code_is_described_as_a_split_step(monkeypatch
     assert split is not None and "dpcompile's get of Linear" in split.why and "compiled on its own" in split.why
     text = step_split.split_error_text(split, "no batched data input")
     assert "only part of the training step" in text and "What to do" in text
+    # dynamo gave up on the caller at a break it logged: the message names that break, and a size question
+    # asked by the model code itself (dynamo's evaluate_expr) gets the advice for branches on the batch size
+    monkeypatch.setattr(step_split, "_RECENT_BREAKS", [step_split._Break(
+        "mamba.py:408 (if h.numel() > 0:)", "Could not guard on data-dependent expression 192*u0 > 0", True)])
+    split = step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+    assert "the last graph break dynamo met was at mamba.py:408 (if h.numel() > 0:)" in split.why, split.why
+    assert split.advice == step_split._BRANCH_ON_BATCH_ADVICE
     frame.f_code = test_loss_is_the_output_its_tangent_seeds_not_the_first_output.__code__  # user code: no split
     assert step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())) is None
+
+
+class BatchBranchBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.numel() > 0:  # a question about the batch size (Falcon-Mamba's scan asks it)
+            h = torch.tanh(h)
+        return h + x
+
+
+class BatchBranchNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList([BatchBranchBlock(), BatchBranchBlock()]), nn.Linear(5, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_branch_of_the_model_on_the_batch_size_is_refused_saying_which_line_asks():
+    """Model code that branches on a size holding the batch size (if h.numel() > 0) with a batch size unknown at
+    compile time (mark_batch; sharded steps and Poisson sampling too): dynamo breaks the graph there, and for a
+    block called in a loop it traces the block again as a frame of its own, whose reason only says
+    "Data-dependent branching". The message quotes the line and the size question dynamo could not answer, and
+    says to ask about the size the code means."""
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    dpcompile.mark_batch(x, y)
+    expect_refusal(lambda: run(BatchBranchNet(), lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                   "only part of the training step", "test_refusals.py", "if h.numel() > 0:",
+                   "Could not guard on data-dependent expression", "branches on a size that holds the batch size",
+                   "rather than numel()")
 
 
 class HeadStatistics(nn.Module):

@@ -31,6 +31,7 @@ _FSDP2_ADVICE = (
     "mp_policy=dpcompile.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)) on each block, then the root"
 )
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _RESUME = "torch_dynamo_resume_in_"  # the code name dynamo gives the rest of a frame after a graph break
 GENERIC_ADVICE = (
     "remove the graph break (TORCH_LOGS=graph_breaks lists every break; torch.compile(..., fullgraph=True) "
@@ -114,7 +115,8 @@ def _describe_break(reason: str, exc: Any) -> _Break:
                "no reason given")
     # dynamo's "Caused by:" line names where the guard was asked: its own evaluate_expr for a bool in user code
     caused = next((ln for ln in lines if ln.startswith("Caused by:")), "")
-    user_branch = "data-dependent" in why and "_dynamo/variables/" in caused.replace("\\", "/")
+    user_branch = "data-dependent" in why and "_dynamo/variables/" in caused.replace("\\", "/") and \
+        not (stack and os.path.abspath(stack[-1].filename).startswith(_TORCH))  # torch's own Python asks too
     return _Break(where, why, user_branch)
 
 

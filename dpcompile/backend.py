@@ -47,7 +47,7 @@ from dpcompile.passes.per_sample_norms import NORM_ALL_REDUCE_META
 from dpcompile.precompile import precompile_kernels
 from dpcompile.saved_aliases import merge_identical_saved_values, no_aliased_donations
 from dpcompile.second_backward_copies import copy_shared_values_into_second_backward
-from dpcompile.step_split import GENERIC_ADVICE, Split, describe_split, split_error_text
+from dpcompile.step_split import GENERIC_ADVICE, Split, describe_split, split_by_last_break, split_error_text
 from dpcompile.tensor_parallel import (TPMesh, allow_dtensor_gradients_in_dynamo, distinct_meshes, dp_shard_index,
                                        gradient_placements, is_tp_dtensor, placement_kind, tp_layout, tp_mesh,
                                        tp_placement)
@@ -322,6 +322,8 @@ def refuse_inputs_with_gradients(inputs: list[GraphInput], example_inputs, split
     would reach parameters without per-sample clipping."""
     for gi, ex in zip(inputs, example_inputs):
         if gi.kind == "data" and gi.batch_dim is not None and isinstance(ex, torch.Tensor) and ex.requires_grad:
+            split = split or split_by_last_break(
+                "this graph's input carries gradients from code dynamo ran outside it, so the step was split")
             raise DPCompileError(split_error_text(split, (
                 f"its input '{gi.name}' requires grad: gradients computed here would flow on to whatever "
                 f"produced it, outside the per-sample clipping. Pass data detached (e.g. x.detach()) and "

@@ -548,7 +548,9 @@ def size_oblivious_repeat() -> None:
         sizes = [1] * (len(repeats) - self.dim()) + list(self.shape)
         x = self.reshape([v for s in sizes for v in (1, s)])
         x = x.expand([v for r, s in zip(repeats, sizes) for v in (r, s)])
-        return x.reshape([r * s for r, s in zip(repeats, sizes)])
+        # the copy, as repeat's own: a reshape alone views where it can (a count of r over a dim of size 1
+        # merges with it as stride 0), and the fake tensor's strides would then not be the real output's
+        return x.clone(memory_format=torch.contiguous_format).view([r * s for r, s in zip(repeats, sizes)])
 
     for key in (DispatchKey.AutogradCPU, DispatchKey.AutogradCUDA):
         if key not in op.py_kernels:

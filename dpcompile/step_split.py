@@ -16,6 +16,7 @@ import dataclasses
 import linecache
 import os
 import re
+import sys
 from typing import Any
 
 import torch
@@ -71,6 +72,11 @@ _HF_LOSS_ADVICE = (
 # graph to say why, only the graphs of what it called (remember_graph_breaks)
 _RECENT_BREAKS: collections.deque[_Break] = collections.deque(maxlen=4)
 _BREAK_PREAMBLES = ("Encountered graph break when attempting", "Consider annotating your code using torch._check*(). ")
+_RAISED_ADVICE = (
+    "dynamo saw the model code raise the exception above while tracing it and ran that code eagerly instead; "
+    "code that takes another path under torch.compile (transformers' is_torchdynamo_compiling() branches skip "
+    "making a default argument, such as an attention mask of ones) needs it from the caller: pass it to the model"
+)
 _BRANCH_ON_BATCH_ADVICE = (
     "the model code branches on a size that holds the batch size, which a batch size unknown at compile time "
     "(sharded steps, dpcompile.mark_batch, Poisson sampling) cannot answer: ask about the size you mean instead "
@@ -83,6 +89,8 @@ class _Break:
     where: str  # file:line (source) of the user code
     why: str  # the reason's first line
     user_branch: bool  # a bool of a symbolic size asked by the user code itself (if x.numel() > 0:)
+    root: tuple[str, str] = ("", "")  # (file, function) of the outermost frame dynamo was tracing
+    raised: bool = False  # the code raised an exception while dynamo traced it (and ran eagerly after)
 
 
 def remember_graph_breaks() -> None:
@@ -110,18 +118,35 @@ def _describe_break(reason: str, exc: Any) -> _Break:
     if stack:
         f = stack[-1]
         where = f"{f.filename}:{f.lineno}" + (f" ({f.line.strip()})" if f.line else "")
-    lines = [ln.strip() for ln in (reason or "").splitlines() if ln.strip()]
-    why = next((ln.removeprefix(_BREAK_PREAMBLES[1]) for ln in lines if not ln.startswith(_BREAK_PREAMBLES[0])),
-               "no reason given")
+    lines = [ln.strip().removeprefix(_BREAK_PREAMBLES[1]) for ln in (reason or "").splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(_BREAK_PREAMBLES[0])]
+    # a line that introduces the break ("... Graph break encountered:") is read with the one after it, and the
+    # exception dynamo saw ("Developer debug context: raised exception TypeError(...)") is part of the why
+    why = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else
+                                                                                  "no reason given")
+    debug = next((ln for ln in lines if ln.startswith("Developer debug context: raised exception")), "")
+    if debug:
+        why += f" ({debug.removeprefix('Developer debug context: ')})"
     # dynamo's "Caused by:" line names where the guard was asked: its own evaluate_expr for a bool in user code
     caused = next((ln for ln in lines if ln.startswith("Caused by:")), "")
     user_branch = "data-dependent" in why and "_dynamo/variables/" in caused.replace("\\", "/") and \
         not (stack and os.path.abspath(stack[-1].filename).startswith(_TORCH))  # torch's own Python asks too
-    return _Break(where, why, user_branch)
+    root = (os.path.abspath(stack[0].filename), stack[0].name) if stack else ("", "")
+    return _Break(where, why, user_branch, root, bool(debug))
 
 
 def _last_break() -> _Break | None:
-    return _RECENT_BREAKS[-1] if _RECENT_BREAKS else None
+    """The last break dynamo met, if the frame it was tracing then is still running (dynamo gave up on it and
+    runs it: the graph asked about is one of what it calls), else None (an earlier step's break)."""
+    if not _RECENT_BREAKS:
+        return None
+    last = _RECENT_BREAKS[-1]
+    frame = sys._getframe()
+    while frame is not None:
+        if (os.path.abspath(frame.f_code.co_filename), frame.f_code.co_name) == last.root:
+            return last
+        frame = frame.f_back
+    return None
 
 
 def _last_break_at(reason: Any) -> _Break | None:
@@ -194,7 +219,19 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         advice = _LOGGING_ADVICE
     if advice is None and branch:
         advice = _BRANCH_ON_BATCH_ADVICE
+    if advice is None and last is not None and last.raised:
+        advice = _RAISED_ADVICE
     return Split(what, advice or GENERIC_ADVICE)
+
+
+def split_by_last_break(what: str) -> Split | None:
+    """For a graph that is a piece of the step by what it is (an input carries gradients) where dynamo's own
+    reason for it says nothing: ``what``, then the last graph break dynamo met, or None if it met none."""
+    last = _last_break()
+    if last is None:
+        return None
+    return Split(f"{what}; the last graph break dynamo met was at {last.where}: {last.why}",
+                 _BRANCH_ON_BATCH_ADVICE if last.user_branch else _RAISED_ADVICE if last.raised else GENERIC_ADVICE)
 
 
 def split_error_text(split: Split | None, found: str) -> str:

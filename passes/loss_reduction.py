@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.errors import DPCompileError, DPValueError, SamplesMixedError
-from dpcompile.fx_utils import known, module_of, op_name
+from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
 from .batch_state import (FREE, PER_SAMPLE_LOSS_HELP, Batched, Mixed, Reduced, count_key,
@@ -79,6 +79,16 @@ def _output_seeded_by(tangent: fx.Node, fwd_outs: list, graph: fx.Graph) -> fx.N
     return grads[k]
 
 
+def _describe_output(node: Any) -> str:
+    """A forward output for a message: its shape, the line that made it and its module."""
+    if not isinstance(node, fx.Node):
+        return "an output that is not a tensor"
+    shape = _shape_of(node)
+    line = source_line(node)
+    return (f"the output of shape ({', '.join(shape or ())}) made by {op_name(node)} in module {module_of(node)}"
+            + (f" ({line})" if line else ""))
+
+
 def _one_sample_reduction(loss: fx.Node, states: dict) -> str:
     """Whether a loss found per-sample at a static batch of one (Batched: no reduction over a known sample dim on
     its way) is a mean or a sum over the batch. Where the analysis lost the sample dim (SINGLE: a layout that
@@ -130,11 +140,15 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     ]
     if len(used_tangents) != 1:
         names = ", ".join(n.name for n in used_tangents)
+        outs = "; ".join(f"{t.name} is that of {_describe_output(_output_seeded_by(t, fwd_outs, graph))}"
+                         for t in used_tangents)
         raise DPCompileError(split_error_text(
             ctx.split_step,
             f"the compiled step must backpropagate from exactly one scalar loss, but the backward "
-            f"graph uses {len(used_tangents)} incoming gradients ({names}). Return other tensors from the step "
-            f"with .detach() (e.g. `return loss.detach()`), so only the loss carries gradients."
+            f"graph uses {len(used_tangents)} incoming gradients ({names}): {outs}. Return other tensors from "
+            f"the step with .detach() (e.g. `return loss.detach()`), so only the loss carries gradients; a tensor "
+            f"the model keeps between calls (a recurrent state or cache stored on a module attribute) must be "
+            f"stored detached too."
         ))
     tangent = used_tangents[0]
     loss = _output_seeded_by(tangent, fwd_outs, graph)

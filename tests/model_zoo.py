@@ -11,8 +11,8 @@ Each model is built small with random init and dropout off, in training mode, in
 clipping is active (the oracle's median per-sample norm is C). The oracle is vmap(grad), or one plain
 backward per sample where vmap cannot run the model. A line per model and schedule: PASS, REFUSED (a
 DPCompileError: the step is not provably per sample, with the op, parameter and module), SKIP (the library
-does not import), BROKEN (the model's plain float64 forward and backward fail: nothing to compare with, and the
-run goes on to the next model) or FAIL (anything else: a wrong gradient is one). Exit status 1 if any FAIL.
+does not import), BROKEN (the model's plain float64 forward and backward fail, or give a sample a gradient that is not finite:
+nothing to compare with, since both sides drop such a sample, and the run goes on to the next model) or FAIL (anything else: a wrong gradient is one). Exit status 1 if any FAIL.
 
 ``--shard N``: the same step on N gloo processes, the model sharded as a user would (``dpcompile.fully_shard``
 on every block, bottom up, then the root), the batch split unevenly over the ranks (rank 0 takes one sample
@@ -677,9 +677,15 @@ def _oracle_for(model, loss, inputs, targets, name: str | None = None):
 def _oracle(model, loss, inputs, targets, name: str | None = None):
     """(clipped float64 gradients, C): C the median per-sample norm, so that clipping is active."""
     oracle, norms = _oracle_for(model, loss, inputs, targets, name)
+    if not torch.isfinite(norms).all():  # every sample dropped on both sides: a match that checks nothing
+        raise _Broken(f"the model's own per-sample gradients are not finite (norms {norms.tolist()})")
     C = float(norms.median())
     ref, _ = oracle(model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=B + 1)
     return ref, C
+
+
+class _Broken(Exception):
+    """The model itself fails the check's premise (BROKEN): nothing about dpcompile."""
 
 
 def _classify(exc: Exception) -> tuple[str, str]:
@@ -708,9 +714,11 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype, off: tuple[
         return "SKIP", f"{type(exc).__name__}: {exc}"
     torch._dynamo.reset()
     try:
-        helpers.dp_reference, _ = _oracle_for(model, loss, inputs, targets, name)  # what check_against_reference calls
+        helpers.dp_reference, norms = _oracle_for(model, loss, inputs, targets, name)  # check_against_reference's
     except Exception as exc:  # noqa: BLE001 - the model's own plain forward/backward fails: nothing to check
         return "BROKEN", f"the model fails without dpcompile ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    if not torch.isfinite(norms).all():  # every sample dropped on both sides: a match that checks nothing
+        return "BROKEN", f"the model's own per-sample gradients are not finite in {dtype} (norms {norms.tolist()})"
     try:
         check_against_reference(model, loss, inputs, targets, schedule=schedule, compiler=compiler,
                                 disable_passes=list(off))
@@ -771,6 +779,8 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
         result = ("PASS", f"per-rank batches {cuts}")
     except ImportError as exc:
         result = ("SKIP", f"{type(exc).__name__}: {exc}")
+    except _Broken as exc:
+        result = ("BROKEN", str(exc))
     except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)
         result = _classify(exc)
         if os.environ.get("ZOO_TRACEBACK"):
@@ -796,7 +806,7 @@ def run_sharded(name: str, schedule: str, compiler: str, dtype: torch.dtype, wor
                 return "FAIL", died
             with open(path) as f:
                 results.append(tuple(json.load(f)))
-    status, why = min(results, key=lambda sw: ["FAIL", "REFUSED", "SKIP", "PASS"].index(sw[0]))
+    status, why = min(results, key=lambda sw: ["FAIL", "REFUSED", "BROKEN", "SKIP", "PASS"].index(sw[0]))
     return status, f"{why}; then {died} (after every rank's result)" if died else why
 
 

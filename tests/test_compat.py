@@ -330,6 +330,15 @@ def test_a_parameter_repeated_over_the_batch_traces_whole(device):
     (g,) = torch.autograd.grad(torch.compile(scores, backend="aot_eager", fullgraph=True)(x), [w])
     torch.testing.assert_close(g, torch.autograd.grad(scores(x), [w])[0])
 
+    def heads(x):
+        # WavLM's position bias: repeated over a new batch dim, then viewed with the heads folded into it, which
+        # the fake tensor could do only if the repeat was a copy (as it is) and not a stride-0 view of w
+        B = x.shape[0]
+        bias = w.unsqueeze(0).repeat(B, 1, 1, 1).view(B * 2, 5, 4)
+        return (x.view(B * 2, 5, 4) * bias).sum()
+
+    _whole_graph_grads(heads, [w], (3, 1, 0), lambda n: torch.randn(n, 2, 5, 4, device=device))
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_group_norm_of_an_unbacked_batch_traces_whole_and_still_checks_a_known_one(device):

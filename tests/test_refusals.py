@@ -1,5 +1,7 @@
 """What the backend cannot prove per-sample is refused, naming op, module and parameter."""
+import dataclasses
 import logging
+import os
 
 import pytest
 import torch
@@ -550,13 +552,46 @@ def test_a_graph_of_dpcompiles_own_code_is_described_as_a_split_step(monkeypatch
     assert "only part of the training step" in text and "What to do" in text
     # dynamo gave up on the caller at a break it logged: the message names that break, and a size question
     # asked by the model code itself (dynamo's evaluate_expr) gets the advice for branches on the batch size
-    monkeypatch.setattr(step_split, "_RECENT_BREAKS", [step_split._Break(
-        "mamba.py:408 (if h.numel() > 0:)", "Could not guard on data-dependent expression 192*u0 > 0", True)])
+    # (dynamo gave up on a frame that is still running: here this test's)
+    here = (os.path.abspath(__file__), "test_a_graph_of_dpcompiles_own_code_is_described_as_a_split_step")
+    broke = step_split._Break("mamba.py:408 (if h.numel() > 0:)",
+                              "Could not guard on data-dependent expression 192*u0 > 0", True, here)
+    monkeypatch.setattr(step_split, "_RECENT_BREAKS", [broke])
+    frame.f_code = getter.__code__
     split = step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
     assert "the last graph break dynamo met was at mamba.py:408 (if h.numel() > 0:)" in split.why, split.why
     assert split.advice == step_split._BRANCH_ON_BATCH_ADVICE
+    # a break in a frame no longer running is an earlier step's: not this graph's reason
+    monkeypatch.setattr(step_split, "_RECENT_BREAKS", [dataclasses.replace(broke, root=(here[0], "elsewhere"))])
+    assert "graph break" not in step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(),
+                                                                                torch.fx.Graph())).why
     frame.f_code = test_loss_is_the_output_its_tangent_seeds_not_the_first_output.__code__  # user code: no split
     assert step_split.describe_split(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())) is None
+
+
+class KeepsItsState(nn.Module):
+    """A cell that keeps its last state on itself between calls (RecurrentGemma's recurrent_states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.state = None
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))  # the state: made here
+        self.state = h
+        return h
+
+
+def test_a_state_kept_with_its_gradient_is_refused_naming_where_it_was_made():
+    """A tensor the model stores on a module attribute is an output of the graph too; with its gradient it is a
+    second incoming gradient of the backward. The refusal names both outputs, the module and the line that made
+    the second, and says to store it detached."""
+    model = nn.Sequential(KeepsItsState(), nn.Linear(5, 3))
+    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (torch.randn(4, 5),
+                                                                             torch.randint(0, 3, (4,)))),
+                   "2 incoming gradients", "(KeepsItsState)", "h = torch.tanh(self.fc(x))  # the state: made here",
+                   "shape (4, 5)", "stored detached too")
 
 
 class BatchBranchBlock(nn.Module):

@@ -1186,10 +1186,48 @@ def _empty_batch_from_shapes(dense, shapes, backward: bool):
     return empty_batch
 
 
+_KERNELS_UNSET = object()  # hf_kernel_routing_in_checkpoints' token: nothing was set
+
+
+def hf_kernel_routing_in_checkpoints() -> None:
+    """transformers 5.25 routes calls of hub-kernel functions (``kernels`` 0.19's ``use_kernel_func_from_hub``)
+    through a context variable that every wrapped module's forward sets and resets; while compiling, that is an
+    attribute of a global object (``CompileableContextVar.global_var``), and setting it inside an activation-
+    checkpointed layer is a side effect dynamo refuses in the checkpoint (``HOP: Unsafe side effect``): the
+    model's own gradient checkpointing (``gradient_checkpointing_enable``) split every step. While compiling, a
+    set whose routes all lead to the functions' own forward (no module kernelized: the routing then calls the
+    plain function, as with nothing set) sets nothing, and its reset restores nothing; any other set is
+    kernels' own."""
+    layer = sys.modules.get("kernels._internals.layer.layer")
+    owner = getattr(layer, "CompileableContextVar", None)
+
+    def wrap_set(original):
+        def set(self, value):  # noqa: A001 - the method's name
+            import torch
+
+            if torch.compiler.is_compiling() and isinstance(value, dict) and all(
+                    isinstance(route, tuple) and len(route) == 2 and route[1] is type(route[0]).forward
+                    for route in value.values()):
+                return _KERNELS_UNSET
+            return original(self, value)
+        return set
+
+    def wrap_reset(original):
+        def reset(self, token):
+            if token is _KERNELS_UNSET:
+                return None
+            return original(self, token)
+        return reset
+
+    _wrap_once(owner, "set", wrap_set)
+    _wrap_once(owner, "reset", wrap_reset)
+
+
 def install_hf_shims() -> None:
-    """Both transformers shims above, before dynamo traces a step (idempotent, cheap when installed)."""
+    """The transformers shims above, before dynamo traces a step (idempotent, cheap when installed)."""
     hf_expand_position_ids()
     hf_flex_padding_mask()
+    hf_kernel_routing_in_checkpoints()
 
 
 def _torch_at_least(major: int, minor: int) -> bool:

@@ -529,3 +529,20 @@ def test_whole_batch_means_of_per_sample_losses(schedule, batch, loss):
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters[counter] == 1, record.counters
     assert record.summary["loss"]["reduction"] == "mean" and backend.dropped_samples() == 0
+
+
+def test_hugging_faces_own_gradient_checkpointing_matches_reference():
+    """transformers' gradient_checkpointing_enable (non-reentrant): each decoder layer runs in
+    torch.utils.checkpoint, inside which transformers 5.25 (with kernels 0.19) set a global routing variable on
+    every call of a hub-kernel-wrapped module, a side effect dynamo refuses in a checkpoint: every step was split
+    (compat.hf_kernel_routing_in_checkpoints). The oracle runs the same weights without checkpointing."""
+    model, plain = cases._hf_llama().double(), cases._hf_llama().double()
+    plain.load_state_dict(model.state_dict())
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train(), plain.train()
+    x = _ids(4, 6, 29)
+
+    def loss(out, y):
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
+
+    check_against_reference(model, loss, (x,), (_ids(4, 6, 29),), schedule="bk", compiler="eager", oracle=plain)

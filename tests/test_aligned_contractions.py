@@ -91,7 +91,7 @@ def test_strided_results_reach_outputs_contiguous():
 
 
 @pytest.mark.parametrize("case,schedule,compiler", [
-    (case, schedule, "inductor" if schedule == "bk" and i % 2 == 0 else "eager")
+    (case, schedule, "inductor" if schedule == "bk" and i % 4 == 0 else "eager")  # Inductor: a quarter (CI time)
     for i, case in enumerate(sorted(LAYER_CASES)) for schedule in ("bk", "ghost")])
 def test_every_layer_kind_stays_exact_when_padded(case, schedule, compiler, monkeypatch):
     """Every layer kind of the clipping tests, with their odd sizes (3, 5, 6, 11, 13) padded to 8, both schedules:

@@ -552,9 +552,7 @@ def size_oblivious_repeat() -> None:
         # merges with it as stride 0), and the fake tensor's strides would then not be the real output's
         return x.clone(memory_format=torch.contiguous_format).view([r * s for r, s in zip(repeats, sizes)])
 
-    for key in (DispatchKey.AutogradCPU, DispatchKey.AutogradCUDA):
-        if key not in op.py_kernels:
-            op.py_impl(key)(repeat)
+    _autograd_kernel_while_tracing(op, repeat)
 
 
 def size_oblivious_cumsum() -> None:
@@ -589,9 +587,17 @@ def size_oblivious_cumsum() -> None:
             return op._op_dk(DispatchKey.Autograd, self, dim, dtype=dtype)  # torch's own autograd kernel
         return _Cumsum.apply(self, dim, dtype)
 
+    _autograd_kernel_while_tracing(op, cumsum)
+
+
+def _autograd_kernel_while_tracing(op, kernel) -> None:
+    """kernel as op's autograd kernel on CPU and CUDA, once: a Python kernel, which only the Python dispatcher
+    (tracing) calls; eager calls keep torch's own."""
+    from torch._C import DispatchKey
+
     for key in (DispatchKey.AutogradCPU, DispatchKey.AutogradCUDA):
         if key not in op.py_kernels:
-            op.py_impl(key)(cumsum)
+            op.py_impl(key)(kernel)
 
 
 def size_oblivious_channels_last() -> None:

@@ -92,6 +92,15 @@ class _Break:
     root: tuple[str, str] = ("", "")  # (file, function) of the outermost frame dynamo was tracing
     raised: bool = False  # the code raised an exception while dynamo traced it (and ran eagerly after)
 
+    @property
+    def told(self) -> str:
+        return f"the last graph break dynamo met was at {self.where}: {self.why}"
+
+    @property
+    def advice(self) -> str | None:
+        """What to do about this break where it says more than "remove the graph break"."""
+        return _BRANCH_ON_BATCH_ADVICE if self.user_branch else _RAISED_ADVICE if self.raised else None
+
 
 def remember_graph_breaks() -> None:
     """Keep where and why dynamo broke its graphs (its own log of them is off unless TORCH_LOGS asks), for the
@@ -175,14 +184,14 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     owner = tx.f_locals.get("self") if tx is not None else None
     fsdp2 = _is_stock_fsdp(owner) or any("distributed/fsdp" in f.filename.replace("\\", "/")
                                          for f in getattr(reason, "user_stack", None) or ())
-    # logged: the break is a logging call; last: dynamo's last break, told after what; branch: a user's bool
-    what, logged, last, branch = None, False, None, False
+    # logged: the break is a logging call; last: dynamo's last break, told after what; seen: the break dynamo
+    # logged for this graph (last, or the one at the line where the graph's reason says it broke)
+    what, logged, last, seen = None, False, None, None
     if reason is not None and reason.graph_break and not _is_backward_call(reason):
         why = reason.reason.strip().splitlines()[0] if reason.reason else "no reason given"
-        same = _last_break_at(reason)  # dynamo's own account of this break, where its reason is terse
-        what = f"dynamo split the step at a graph break{_where(reason)}: {same.why if same else why}"
+        seen = _last_break_at(reason)  # dynamo's own account of this break, where its reason is terse
+        what = f"dynamo split the step at a graph break{_where(reason)}: {seen.why if seen else why}"
         logged = _LOGGING_MARKER in why
-        branch = same is not None and same.user_branch
     elif tx is not None and tx.f_code.co_name.startswith(_RESUME):
         fn, _, line = tx.f_code.co_name[len(_RESUME):].rpartition("_at_")
         code = linecache.getline(tx.f_code.co_filename, int(line)).strip() if line.isdigit() else ""
@@ -206,9 +215,9 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     if what is None:
         return None
     if last is not None:
-        what += f"; the last graph break dynamo met was at {last.where}: {last.why}"
+        what += f"; {last.told}"
         logged = logged or _LOGGING_MARKER in last.why
-        branch = last.user_branch
+        seen = last
     if fsdp2:
         return Split(what, _FSDP2_ADVICE)
     text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
@@ -217,10 +226,8 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         advice = _HF_LOSS_ADVICE
     if advice is None and logged:
         advice = _LOGGING_ADVICE
-    if advice is None and branch:
-        advice = _BRANCH_ON_BATCH_ADVICE
-    if advice is None and last is not None and last.raised:
-        advice = _RAISED_ADVICE
+    if advice is None and seen is not None:
+        advice = seen.advice
     return Split(what, advice or GENERIC_ADVICE)
 
 
@@ -230,8 +237,7 @@ def split_by_last_break(what: str) -> Split | None:
     last = _last_break()
     if last is None:
         return None
-    return Split(f"{what}; the last graph break dynamo met was at {last.where}: {last.why}",
-                 _BRANCH_ON_BATCH_ADVICE if last.user_branch else _RAISED_ADVICE if last.raised else GENERIC_ADVICE)
+    return Split(f"{what}; {last.told}", last.advice or GENERIC_ADVICE)
 
 
 def split_error_text(split: Split | None, found: str) -> str:

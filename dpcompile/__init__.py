@@ -50,7 +50,8 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check, size_oblivious_one_hot, size_oblivious_prob_cross_entropy,
                               size_oblivious_repeat, size_oblivious_reshape,
-                              size_oblivious_cumsum, size_oblivious_roll, size_oblivious_sdpa,
+                              size_oblivious_cumsum, size_oblivious_fft, size_oblivious_roll,
+                              size_oblivious_sdpa, size_oblivious_affine_grid,
                               uniform_fold_skips_unbacked_guards)
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.step_split import remember_graph_breaks  # noqa: E402
@@ -171,6 +172,8 @@ size_oblivious_norm_batch_check()
 size_oblivious_repeat()
 size_oblivious_cumsum()
 size_oblivious_roll()
+size_oblivious_fft()
+size_oblivious_affine_grid()
 remember_graph_breaks()
 size_oblivious_one_hot()
 size_oblivious_log_sigmoid_backward()

@@ -789,6 +789,45 @@ def size_oblivious_norm_batch_check() -> None:
     _wrap_once(F, "_verify_batch_size", wrap)
 
 
+def size_oblivious_affine_grid() -> None:
+    """``F.affine_grid`` (spatial transformers) refuses a size that is not positive with ``min(size) <= 0``,
+    which with an unbacked batch size compares it with the others (``u0 > 3``): dynamo splits the sharded step
+    there. The same checks, each size asked with ``guard_or_false``: a size known when tracing gets torch's
+    answer and its ValueError, an unbacked batch size is not refused, and a rank with no samples takes an
+    empty grid (no matrices, no grid, no gradient), which eager ``F.affine_grid`` refuses to make. Under
+    ``torch.compile`` the grid is torch's decomposition of the generator (the generator's autograd formula
+    takes only sizes known when tracing). A tensor subclass's call (``__torch_function__``) and the default
+    ``align_corners`` (torch's warning) are torch's own."""
+    import torch
+    import torch.nn.functional as F
+    from torch._decomp import decompositions
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+    from torch.overrides import has_torch_function_unary
+
+    def wrap(original):
+        def affine_grid(theta, size, align_corners=None):
+            if align_corners is None or has_torch_function_unary(theta) or len(size) not in (4, 5):
+                return original(theta, size, align_corners)
+            if not theta.is_floating_point():
+                raise ValueError(f"Expected theta to have floating point type, but got {theta.dtype}")
+            rows, cols = (2, 3) if len(size) == 4 else (3, 4)
+            if theta.dim() != 3 or theta.shape[-2] != rows or theta.shape[-1] != cols:
+                raise ValueError(f"Expected a batch of {len(size) - 2}D affine matrices of shape Nx{rows}x{cols} "
+                                 f"for size {size}. Got {theta.shape}.")
+            if align_corners and min(size[2:]) == 1:
+                return original(theta, size, align_corners)  # torch's warning for unit-size grids
+            if any(guard_or_false(s <= 0) for s in size):
+                raise ValueError(f"Expected non-zero, positive output size. Got {size}")
+            if torch.compiler.is_compiling():
+                # the generator's autograd formula takes only sizes known when tracing (not a symbolic batch
+                # size): torch's decomposition, which Inductor would run anyway
+                return decompositions.affine_grid_generator(theta, size, align_corners)
+            return torch.affine_grid_generator(theta, size, align_corners)
+        return affine_grid
+
+    _wrap_once(F, "affine_grid", wrap)
+
+
 def size_oblivious_log_sigmoid_backward() -> None:
     """``F.logsigmoid``'s backward (DPO's loss, ``F.multilabel_soft_margin_loss``) decomposes (torch 2.11 and
     2.13) as ``z = buffer if buffer.numel() > 0 else exp(-|x|)``: on CPU the forward saves ``buffer = exp(-|x|)``,
@@ -868,6 +907,49 @@ def size_oblivious_roll() -> None:
         return roll
 
     _wrap_decomposition_once(torch.ops.aten.roll.default, wrap)
+
+
+def fft_out_strides(in_strides, out_sizes, dim) -> tuple[list, object]:
+    """The strides torch's FFT kernels give their output (and its number of entries): the batch dims (those
+    not transformed) in the input's stride order, then the transformed dims in ``dim``'s order, contiguous in
+    that order (aten/src/ATen/native/mkl/SpectralOps.cpp, _exec_fft)."""
+    batch = [d for d in range(len(out_sizes)) if d not in dim]
+    order = sorted(batch, key=lambda d: in_strides[d], reverse=True) + list(dim)
+    out_strides, step = [0] * len(out_sizes), 1
+    for d in reversed(order):
+        out_strides[d] = step
+        step = step * out_sizes[d]
+    return out_strides, step
+
+
+def size_oblivious_fft() -> None:
+    """torch.fft with an unbacked batch size (a transform along the sequence or the features only: FNet-style
+    mixers, spectral layers): the fake-tensor kernels of ``aten._fft_r2c/_fft_c2c/_fft_c2r`` (torch 2.11 and
+    2.13, ``torch._meta_registrations._exec_fft``) lay the output out by resizing it to the batch dims
+    collapsed into one (``out.resize_``), which asks whether that size is 0 (``Eq(18*u0, 0)``): dynamo
+    splits the step there. Where the output already holds exactly those entries (fake kernels make it with
+    the output's sizes), its strides are set directly: the collapsed layout's contiguous strides spread back
+    over the permuted dims, as torch's formula does after the resize. Transforms with no unbacked size, and
+    outputs of another size (cuFFT's two-sided r2c), take torch's own path."""
+    import torch
+    import torch._meta_registrations as meta
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+
+    original = getattr(meta, "_exec_fft", None)
+    if original is None or getattr(original, "_dpcompile_guarded", False):
+        return
+
+    def exec_fft(out, self, out_sizes, dim, *, forward):
+        if not (free_unbacked_symbols(self.shape) or free_unbacked_symbols(out.shape)):
+            return original(out, self, out_sizes, dim, forward=forward)
+        out_strides, numel = fft_out_strides(self.stride(), out_sizes, dim)
+        if not statically_known_true(out.numel() == numel):
+            return original(out, self, out_sizes, dim, forward=forward)
+        out.as_strided_(out_sizes, out_strides, out.storage_offset())
+        return out
+
+    _mark_wrapper(exec_fft, original)
+    meta._exec_fft = exec_fft
 
 
 def _wrap_decomposition_once(op, wrap) -> None:

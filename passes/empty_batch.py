@@ -11,13 +11,16 @@ empty, every contraction over the samples is zero, the gradient is zero plus
 the noise. The code traced for B > 0 computes exactly that on empty tensors
 (the assumption only fixed how the ambiguous sizes are resolved), so the
 asserts that say nothing but "the batch is not empty" are dropped. Asserts
-about anything else stay.
+about anything else stay. Kernels that raise on an empty input where torch
+has no empty branch (CPU Fourier transforms) are put in an op that has one.
 """
 from __future__ import annotations
 
 import sympy
 import torch
 import torch.fx as fx
+
+from dpcompile.empty_fft import ON_ANY_BATCH
 
 from .context import DPPassContext
 
@@ -76,5 +79,17 @@ def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     if dropped:
         shape_env.deferred_runtime_asserts[b] = kept
         ctx.counters["nonempty_batch_axioms_dropped"] += dropped
+    # torch's CPU Fourier transforms raise on an empty input (dpcompile.empty_fft)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ON_ANY_BATCH and _holds(node.args[0], b):
+            node.target = ON_ANY_BATCH[node.target]
+            ctx.counters["nonempty_batch_transforms_guarded"] += 1
     gm.graph.eliminate_dead_code()
     return gm
+
+
+def _holds(x, b: sympy.Symbol) -> bool:
+    """x's shape depends on the batch size b."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return isinstance(val, torch.Tensor) and any(
+        isinstance(size, torch.SymInt) and b in size.node.expr.free_symbols for size in val.shape)

@@ -87,18 +87,24 @@ class CrossAttention(nn.Module):
 
 class SequenceOps(nn.Module):
     """Reorderings and scans along the sequence (flip, roll, cumsum), RMSNorm, a LayerNorm without bias and a
-    max over time: per-sample ops that move or combine entries within a sample."""
+    max over time: per-sample ops that move or combine entries within a sample. Then two views of the batch
+    through one layer, taken apart again by slicing (a contrastive model's halves: the slices' backward
+    scatters each half back into its place)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(6, 8)
         self.rms = nn.RMSNorm(8)
         self.ln = nn.LayerNorm(8, bias=False)
+        self.mix = nn.Linear(8, 8)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):  # [B, T, 6]
+        B = x.shape[0]
         h = self.ln(self.rms(self.fc(x)))
         h = torch.cumsum(h, 1) + torch.flip(h, [1, 2]) + torch.roll(h, 1, 1)
+        views = self.mix(torch.cat([h, h.flip(1)]))  # [2B, T, 8]
+        h = views[:B] + views[B:2 * B] * h
         return self.head(h.amax(1, keepdim=True) + h)
 
 

@@ -665,12 +665,67 @@ def test_cumsum_and_roll_of_an_unbacked_batch_trace_whole_with_eagers_gradient(d
     _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device)
 
 
-def _compiled_matches_eager_for_unbacked_batches(loss, w, backend: str, device: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_fourier_transforms_of_an_unbacked_batch_trace_whole_with_eagers_gradient(device, backend):
+    """torch.fft along the features or the sequence only, with an unbacked batch: the fake kernels' layout of
+    the output asked whether the collapsed batch is empty (Eq(20*u0, 0): dynamo broke the graph,
+    size_oblivious_fft). r2c, c2c and c2r transforms over one dim and two, of a transposed input too: value and
+    gradient are eager's for batches of 3 and 1 (eager's CPU transforms raise on an empty batch:
+    dpcompile.empty_fft, which the sharded fourier_mixer case runs on an empty rank)."""
+    import torch
+
+    from dpcompile.compat import size_oblivious_fft
+
+    size_oblivious_fft()
+    w = torch.nn.Parameter(torch.randn(4, 20, device=device))
+
+    def loss(x):
+        h = (x @ w).view(-1, 4, 5)
+        mixed = torch.fft.rfft(h, dim=1).abs().sum(1, keepdim=True) + torch.fft.fft(h, dim=-1).real + \
+            torch.fft.irfft(torch.fft.fft2(h.transpose(1, 2)), n=4, dim=-1).transpose(1, 2)
+        return mixed.pow(2).sum()
+
+    _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device, batches=(3, 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_affine_grid_of_an_unbacked_batch_traces_whole_with_eagers_gradient(device, backend):
+    """F.affine_grid with an unbacked batch (a sharded spatial transformer): its check min(size) <= 0 compared
+    the batch size with the others (u0 > 3: dynamo broke the graph), and the generator's autograd formula
+    takes no symbolic size (size_oblivious_affine_grid). 2-D and 3-D grids: value and gradient are eager's for
+    batches of 3 and 1; eager's refusals stay (a size of 0, integer matrices, matrices of the wrong shape)."""
+    import torch
+    import torch.nn.functional as F
+
+    from dpcompile.compat import size_oblivious_affine_grid
+
+    size_oblivious_affine_grid()
+    w = torch.nn.Parameter(torch.randn(4, 18, device=device))
+
+    def loss(x):
+        theta = (x @ w).view(-1, 18)
+        n = x.shape[0]
+        flat = F.affine_grid(theta[:, :6].view(-1, 2, 3), [n, 3, 5, 4], align_corners=False)
+        deep = F.affine_grid(theta[:, 6:].view(-1, 3, 4), [n, 1, 2, 3, 4], align_corners=True)
+        return flat.pow(2).sum() + deep.sin().sum()
+
+    _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device, batches=(3, 1))
+    for theta, size, why in [(torch.randn(2, 2, 3), [2, 3, 0, 4], "positive output size"),
+                             (torch.randn(0, 2, 3), [0, 3, 5, 4], "positive output size"),
+                             (torch.ones(2, 2, 3, dtype=torch.int64), [2, 3, 5, 4], "floating point"),
+                             (torch.randn(2, 3, 3), [2, 3, 5, 4], "Nx2x3")]:
+        with pytest.raises(ValueError, match=why):
+            F.affine_grid(theta, size, align_corners=False)
+
+
+def _compiled_matches_eager_for_unbacked_batches(loss, w, backend: str, device: str, batches=(3, 1, 0)) -> None:
     """loss(x) compiled whole (fullgraph) with x's batch unbacked: its value and its gradient for w are eager's,
     for batches of 3, 1 and 0 samples of 4 features."""
     import torch
 
-    for n in (3, 1, 0):
+    for n in batches:
         torch._dynamo.reset()
         x = torch.randn(n, 4, device=device)
         dpcompile.mark_batch(x)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from dpcompile.empty_fft import ON_ANY_BATCH
+
 from ..batch_state import Batched, fail_layout, ndim, norm_dim
 
 aten = torch.ops.aten
@@ -41,7 +43,7 @@ def _view_as_complex(an, node):
 
 
 RULES: dict[Any, Any] = {}
-for _p in (aten._fft_r2c, aten._fft_c2r, aten._fft_c2c):
+for _p in (aten._fft_r2c, aten._fft_c2r, aten._fft_c2c, *(op.overloadpacket for op in ON_ANY_BATCH.values())):
     RULES[_p] = _fft
 RULES[aten.view_as_real] = _view_as_real
 RULES[aten.view_as_complex] = _view_as_complex

@@ -10,7 +10,7 @@ import torch
 
 from dpcompile.fx_utils import known, row_major
 
-from ..batch_state import SINGLE, Batched, fail_layout, ndim, norm_dim, shape_of, view_layout
+from ..batch_state import FREE, SINGLE, Batched, fail_layout, ndim, norm_dim, shape_of, view_layout
 
 aten = torch.ops.aten
 
@@ -130,11 +130,16 @@ def _sliced_blocks(s: Batched, node, B):
     it cuts a copy or steps."""
     args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
     args += [None] * (5 - len(args))
-    start, step = args[2] or 0, args[4] or 1  # symbolic sizes are SymInt nodes: their values
+    start, step = _or(args[2], 0), _or(args[4], 1)  # symbolic sizes are SymInt nodes: their values
     if s.outer == 1 or not known(step == 1) or not known(start % (B * s.inner) == 0):
         return None
     blocks = _whole_blocks(s, [node.meta["val"].shape[s.dim]], B)
     return blocks[0] if blocks is not None else None
+
+
+def _or(value, default):
+    """value, or default where it is None (not ``value or default``: that asks whether a symbolic size is 0)."""
+    return default if value is None else value
 
 
 def _select(an, node):
@@ -261,8 +266,32 @@ def _slice_scatter(an, node):
     if found is None:
         return SINGLE
     if found.dim == k:
-        return fail_layout(an, node, "scatters along the sample dim")
+        placed = _scattered_blocks(an, node, sb, ss, k) if node.target is aten.slice_scatter.default else None
+        return placed if placed is not None else fail_layout(an, node, "scatters along the sample dim")
     return found
+
+
+def _scattered_blocks(an, node, sb, ss, k):
+    """slice_scatter along the sample dim that writes whole copies of the batch at a whole copy's place (the
+    backward of ``_sliced_blocks``' slice: ``t[B:2B]`` of a tensor tiled twice) leaves every row its sample:
+    row r of the source lands on row start + r, the same sample when start is a multiple of a copy's length.
+    The base is that many copies (or holds no sample's data: zeros); the result is laid out as the base."""
+    args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    args += [None] * (6 - len(args))
+    start, step = _or(args[3], 0), _or(args[5], 1)
+    if not isinstance(ss, Batched) or ss.dim != k or not known(step == 1):
+        return None
+    inner, block = ss.inner, an.B * ss.inner
+    if not known(start % block == 0) or _whole_blocks(ss, [shape_of(node.args[1])[k]], an.B) is None:
+        return None
+    base_blocks = _whole_blocks(ss, [shape_of(node.args[0])[k]], an.B)
+    if base_blocks is None:
+        return None
+    if sb is FREE or (isinstance(sb, Batched) and sb.dim is None):  # no sample's data (zeros, a parameter's)
+        return Batched(k, base_blocks[0], inner)
+    if isinstance(sb, Batched) and sb.dim == k and known(sb.inner == inner) and known(sb.outer == base_blocks[0]):
+        return sb
+    return None
 
 
 def _whole_and_row_major(size, stride, offset, base) -> bool:

@@ -789,18 +789,36 @@ def size_oblivious_norm_batch_check() -> None:
     _wrap_once(F, "_verify_batch_size", wrap)
 
 
+def _affine_grid_by_ops(theta, spatial: list, align_corners: bool):
+    """``torch.affine_grid_generator(theta, [N, C, *spatial], align_corners)`` as plain ops: every output
+    point's normalised coordinates (x fastest, then y, then z; each from -1 to 1 at the corners' centres, or
+    at the corners with align_corners; 0 for a size of one), with a trailing 1, times each sample's matrix."""
+    import torch
+
+    def axis(n: int):
+        if n <= 1:
+            return torch.zeros(max(n, 0), dtype=theta.dtype, device=theta.device)
+        end = 1.0 if align_corners else (n - 1) / n
+        return torch.linspace(-end, end, n, dtype=theta.dtype, device=theta.device)
+
+    axes = torch.meshgrid(*[axis(int(n)) for n in spatial], indexing="ij")  # z, y, x (or y, x)
+    points = torch.stack([*reversed(axes), torch.ones_like(axes[0])], dim=-1)  # [*spatial, k + 1]: x, y(, z), 1
+    k = len(spatial)
+    grid = (points.reshape(1, -1, 1, k + 1) * theta.unsqueeze(1)).sum(-1)  # [N, prod(spatial), k]
+    return grid.reshape(theta.shape[0], *spatial, k)
+
+
 def size_oblivious_affine_grid() -> None:
     """``F.affine_grid`` (spatial transformers) refuses a size that is not positive with ``min(size) <= 0``,
     which with an unbacked batch size compares it with the others (``u0 > 3``): dynamo splits the sharded step
     there. The same checks, each size asked with ``guard_or_false``: a size known when tracing gets torch's
     answer and its ValueError, an unbacked batch size is not refused, and a rank with no samples takes an
     empty grid (no matrices, no grid, no gradient), which eager ``F.affine_grid`` refuses to make. Under
-    ``torch.compile`` the grid is torch's decomposition of the generator (the generator's autograd formula
-    takes only sizes known when tracing). A tensor subclass's call (``__torch_function__``) and the default
+    ``torch.compile`` the grid is made of plain ops (``_affine_grid_by_ops``: the generator's autograd formula
+    takes only sizes known when tracing, and dynamo 2.11 cannot trace torch's decomposition of it). A tensor subclass's call (``__torch_function__``) and the default
     ``align_corners`` (torch's warning) are torch's own."""
     import torch
     import torch.nn.functional as F
-    from torch._decomp import decompositions
     from torch.fx.experimental.symbolic_shapes import guard_or_false
     from torch.overrides import has_torch_function_unary
 
@@ -820,8 +838,8 @@ def size_oblivious_affine_grid() -> None:
                 raise ValueError(f"Expected non-zero, positive output size. Got {size}")
             if torch.compiler.is_compiling():
                 # the generator's autograd formula takes only sizes known when tracing (not a symbolic batch
-                # size): torch's decomposition, which Inductor would run anyway
-                return decompositions.affine_grid_generator(theta, size, align_corners)
+                # size): the grid as plain ops
+                return _affine_grid_by_ops(theta, list(size[2:]), align_corners)
             return torch.affine_grid_generator(theta, size, align_corners)
         return affine_grid
 

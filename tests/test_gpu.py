@@ -45,11 +45,13 @@ def test_cuda_matches_reference(case, schedule):
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", [c for c in ["gpt", "llama", "norms", "conv_kinds", "embedding_padding",
-                                               "routed_experts", "sorted_experts"] if c in CASES])
+                                               "routed_experts", "sorted_experts", "fourier_mixer",
+                                               "spatial_transformer", "sequence_ops"] if c in CASES])
 def test_cuda_unbacked_batch_matches_reference(case, schedule):
     """One graph for every batch size, as sharded and Poisson-sampled steps compile it (the batch unbacked,
-    with Inductor's hint): batches of 5, 3 and 1 through one compile, each exact against the fp64 oracle. On
-    torch 2.11 this is also where Inductor fuses by hinted sizes (compat.hint_fusion_scores)."""
+    with Inductor's hint): batches of 5, 3, 1 and 0 through one compile, each exact against the fp64 oracle
+    (no samples: a zero gradient). On torch 2.11 this is also where Inductor fuses by hinted sizes
+    (compat.hint_fusion_scores)."""
     _unbacked_steps_match_reference(case, schedule, "cuda")
 
 
@@ -96,9 +98,10 @@ def _unbacked_steps_match_reference(case, schedule, device):
         return l.detach()
 
     compiled = torch.compile(step, backend=backend)
-    for n in (5, 3, 1):
+    for n in (5, 3, 1, 0):
         xs, ts = (inputs, targets) if n == 5 else c.data(n)
-        ref, _ = dp_reference(model, c.loss, xs, ts, max_grad_norm=C, expected_batch_size=5)
+        ref = dp_reference(model, c.loss, xs, ts, max_grad_norm=C, expected_batch_size=5)[0] if n else \
+            {name: torch.zeros_like(p, dtype=torch.float64) for name, p in model.named_parameters()}
         xs, ts = tuple(x.to(device) for x in xs), tuple(t.to(device) for t in ts)
         dpcompile.mark_batch(*xs, *ts, hint=4)
         for p in gpu.parameters():
@@ -108,7 +111,7 @@ def _unbacked_steps_match_reference(case, schedule, device):
             atol = 1e-6 + 1e-5 * float(ref[name].abs().max())
             torch.testing.assert_close(p.grad.double().cpu(), ref[name], rtol=1e-4, atol=atol,
                                        msg=lambda m: f"batch {n}, {name}: {m}")
-    assert len([r for r in backend.compiled if r.dp]) == 1  # one graph for the three sizes
+    assert len([r for r in backend.compiled if r.dp]) == 1  # one graph for the four sizes
 
 
 @pytest.mark.parametrize("case", ["gpt", "conv_kinds"])

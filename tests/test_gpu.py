@@ -8,7 +8,7 @@ import torch
 import dpcompile
 import models as M
 from reference import dp_reference
-from cases import CASES, bad_samples, check_case_invariants, finite_median, with_bad_samples
+from cases import CASES, TORCH_2_13, bad_samples, check_case_invariants, finite_median, with_bad_samples
 from helpers import all_cpp_wrapper_codes, assert_bf16_close, assert_norms_read_bf16, clipped_on
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -46,7 +46,9 @@ def test_cuda_matches_reference(case, schedule):
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 @pytest.mark.parametrize("case", [c for c in ["gpt", "llama", "norms", "conv_kinds", "embedding_padding",
                                                "routed_experts", "sorted_experts", "fourier_mixer",
-                                               "spatial_transformer", "sequence_ops"] if c in CASES])
+                                               "spatial_transformer", "sequence_ops"]
+                                  if c in CASES and (TORCH_2_13 or c != "spatial_transformer")])
+# (torch 2.11's F.grid_sample cannot take an unbacked batch: cases.SHARDED_LEFT_OUT)
 def test_cuda_unbacked_batch_matches_reference(case, schedule):
     """One graph for every batch size, as sharded and Poisson-sampled steps compile it (the batch unbacked,
     with Inductor's hint): batches of 5, 3, 1 and 0 through one compile, each exact against the fp64 oracle

@@ -815,8 +815,9 @@ def size_oblivious_affine_grid() -> None:
     answer and its ValueError, an unbacked batch size is not refused, and a rank with no samples takes an
     empty grid (no matrices, no grid, no gradient), which eager ``F.affine_grid`` refuses to make. Under
     ``torch.compile`` the grid is made of plain ops (``_affine_grid_by_ops``: the generator's autograd formula
-    takes only sizes known when tracing, and dynamo 2.11 cannot trace torch's decomposition of it). A tensor subclass's call (``__torch_function__``) and the default
-    ``align_corners`` (torch's warning) are torch's own."""
+    takes only sizes known when tracing, and dynamo 2.11 cannot trace torch's decomposition of it). A tensor
+    subclass's call (``__torch_function__``) and the default ``align_corners`` (torch's warning) are torch's
+    own."""
     import torch
     import torch.nn.functional as F
     from torch.fx.experimental.symbolic_shapes import guard_or_false

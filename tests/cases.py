@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import models as M
+from helpers import TORCH_VERSION
 
-TORCH_2_13 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+TORCH_2_13 = TORCH_VERSION >= (2, 13)
 
 # nn.LSTM, nn.GRU and nn.RNN (the recurrent case) traced by dynamo, as the README tells users of plain
 # torch.compile to set (private_step sets it itself); without it the step is refused (test_refusals)

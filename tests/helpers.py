@@ -13,6 +13,8 @@ import torch
 import dpcompile
 from reference import dp_reference
 
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # (major, minor)
+
 
 def compile_step(model, per_sample_loss, *, reduction="mean", **options):
     backend = dpcompile.DPBackend(**options)

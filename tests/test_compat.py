@@ -676,8 +676,9 @@ def test_fourier_transforms_of_an_unbacked_batch_trace_whole_with_eagers_gradien
     import torch
 
     from dpcompile.compat import size_oblivious_fft
+    from helpers import TORCH_VERSION
 
-    if backend == "inductor" and tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    if backend == "inductor" and TORCH_VERSION < (2, 13):
         pytest.skip("torch < 2.13: Inductor asserts the strides of _fft_r2c's meta kernel, which differ from the "
                     "kernel's for a transform over a dim other than the last (conftest._UPSTREAM_BUGS)")
     size_oblivious_fft()

@@ -128,13 +128,19 @@ def _sliced_blocks(s: Batched, node, B):
     """How many whole copies of the batch a slice of a dim laid out as ``s.outer`` copies keeps (a
     tensor-parallel all-gather's pieces taken apart with symbolic sizes: slice [k*B, (k+1)*B)), or None if
     it cuts a copy or steps."""
-    args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-    args += [None] * (5 - len(args))
-    start, step = _or(args[2], 0), _or(args[4], 1)  # symbolic sizes are SymInt nodes: their values
+    args = _arg_values(node, 5)
+    start, step = _or(args[2], 0), _or(args[4], 1)
     if s.outer == 1 or not known(step == 1) or not known(start % (B * s.inner) == 0):
         return None
     blocks = _whole_blocks(s, [node.meta["val"].shape[s.dim]], B)
     return blocks[0] if blocks is not None else None
+
+
+def _arg_values(node, n: int) -> list:
+    """node's n positional arguments as values (a symbolic size is a SymInt node: its value), None where left
+    out."""
+    args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    return args + [None] * (n - len(args))
 
 
 def _or(value, default):
@@ -276,8 +282,7 @@ def _scattered_blocks(an, node, sb, ss, k):
     backward of ``_sliced_blocks``' slice: ``t[B:2B]`` of a tensor tiled twice) leaves every row its sample:
     row r of the source lands on row start + r, the same sample when start is a multiple of a copy's length.
     The base is that many copies (or holds no sample's data: zeros); the result is laid out as the base."""
-    args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-    args += [None] * (6 - len(args))
+    args = _arg_values(node, 6)
     start, step = _or(args[3], 0), _or(args[5], 1)
     if not isinstance(ss, Batched) or ss.dim != k or not known(step == 1):
         return None

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from dpcompile.accumulation import accumulating
-from dpcompile.batching import batch_sizes, is_unbacked, require_unbacked_batch
+from dpcompile.batching import batch_sizes, forget_nonempty_axiom, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
@@ -757,6 +757,7 @@ class DPBackend:
         cid = CompileContext.current_compile_id()
         compile_id = str(cid) if cid is not None else str(len(self.compiled))
         inputs = classify_inputs(gm, example_inputs, self.config)
+        forget_nonempty_axiom(gm, inputs)  # before dynamo guards the frame on it
         tp = check_sharding(inputs, example_inputs)
         if tp is not None:
             allow_dtensor_gradients_in_dynamo()

@@ -34,6 +34,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -65,6 +66,59 @@ def batch_sizes(gm: fx.GraphModule, inputs) -> list[tuple[Any, Any, int, str]]:
     return out
 
 
+def says_only_nonempty(expr: sympy.Basic, b: sympy.Symbol) -> bool:
+    """True iff ``expr`` mentions only ``b``, is false at b = 0 and true for every b >= 1."""
+    if not isinstance(expr, sympy.Basic) or expr.free_symbols != {b}:
+        return False
+    n = sympy.Symbol("n", integer=True, positive=True)
+    return bool(expr.subs(b, 0) == sympy.false) and bool(expr.subs(b, n) == sympy.true)
+
+
+def forget_nonempty_axiom(gm: fx.GraphModule, inputs) -> int:
+    """Let the graph dynamo traced for a batch of >= 1 sample also be entered with none; the number of batch
+    symbols it widened.
+
+    ``mark_batch_unbacked`` gives the batch symbol the lower bound 1, so that dynamo resolves the model's
+    Python questions about an empty batch (``if h.numel() > 0:`` in Falcon-Mamba's scan, torch's
+    ``associative_scan``) as "not empty" instead of giving up on the graph. That bound would also become a
+    guard on the frame (``1 <= x.size()[0]``: an empty rank would recompile, and fail, while the others wait in
+    a collective) and an assert in the graph. Run where dynamo hands the graph to the backend, before it builds
+    the guards: the bound goes back to a size's [0, inf] and the asserts it made are dropped, so what is traced
+    after (AOTAutograd, the DP passes, Inductor) assumes nothing. The empty rank then runs the branch traced for
+    a non-empty batch on empty tensors, which computes an empty per-sample result (passes.empty_batch).
+    """
+    from torch.utils._sympy.value_ranges import ValueRanges
+    from torch.utils._sympy.numbers import int_oo
+
+    sizes = [size for size, *_ in batch_sizes(gm, inputs) if is_unbacked(size)]
+    if not sizes:
+        return 0
+    shape_env = sizes[0].node.shape_env
+    batch = {s for size in sizes for s in free_unbacked_symbols(size.node.expr)}
+    # the marked dims' own symbols, which shape_id ties to the first by an equality (a replacement)
+    batch |= {u for u in getattr(shape_env, "unbacked_inputs", ()) if shape_env.replacements.get(u) in batch}
+    widened = 0
+    for b in batch:
+        vr = shape_env.var_to_range.get(b)
+        if vr is not None and vr.lower == 1:
+            shape_env.var_to_range[b] = ValueRanges(0, int_oo)
+            widened += 1
+        asserts = shape_env.deferred_runtime_asserts.get(b)
+        if asserts:
+            shape_env.deferred_runtime_asserts[b] = [ra for ra in asserts if not says_only_nonempty(ra.expr, b)]
+    # and the asserts dynamo wrote into the graph from them (``_assert_scalar(u0 >= 1)``)
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default)):
+        cond = node.args[0]
+        val = cond.meta.get("example_value") if isinstance(cond, fx.Node) else None
+        if isinstance(val, torch.SymBool) and any(says_only_nonempty(val.node.expr, b) for b in batch):
+            gm.graph.erase_node(node)
+            if not cond.users:
+                gm.graph.erase_node(cond)
+    gm.recompile()
+    shape_env._maybe_evaluate_static.cache_clear()
+    return widened
+
+
 def batch_hint(config) -> int | None:
     """The per-rank batch size Inductor tunes a sharded graph for: the same on every rank."""
     ebs = config.expected_batch_size
@@ -88,6 +142,8 @@ def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> N
     kwargs = {"shape_id": _SHAPE_ID} if "shape_id" in _mark_unbacked_params() else {}
     if hint is not None and "hint_override" in _mark_unbacked_params():
         kwargs["hint_override"] = hint
+    if "min" in _mark_unbacked_params():
+        kwargs["min"] = 1  # dynamo traces for a batch of at least one sample (forget_nonempty_axiom)
     torch._dynamo.decorators.mark_unbacked(t, dim, **kwargs)
     setattr(t, _MARK, dim)
     install_hf_shims()  # third-party code that asks "is the batch 1?" where every answer is the same

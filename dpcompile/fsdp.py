@@ -271,6 +271,9 @@ def fully_shard(
             raise ValueError(f"fully_shard: parameter {name!r} is tensor parallel; its data-parallel pieces are "
                              f"Shard(0) of each tensor-parallel piece, so shard_placement_fn must return None "
                              f"or Shard(0) for it, got {asked!r}")
+    # parameters an earlier call sharded in a module that shares them with this one, checked before anything changes
+    earlier = {id(p): e for name, p in module.named_parameters() if not _made_here(p)
+               and (e := _sharded_earlier(p, name, mesh, placements, tp_sharded, reshard_after_forward)) is not None}
     converted: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}  # tied parameters stay tied
     for sub in module.modules():
         names = tuple(
@@ -282,6 +285,8 @@ def fully_shard(
         layouts = dict(getattr(sub, "_dpcompile_tp", {}))
         for n in names:
             p = sub._parameters[n]
+            if id(p) not in converted and id(p) in earlier:
+                converted[id(p)] = earlier[id(p)]  # tied to a module an earlier call sharded: the same parameter
             if id(p) not in converted:
                 if id(p) in tp_sharded:
                     dt, layout = tp_sharded[id(p)]
@@ -292,6 +297,7 @@ def fully_shard(
                 if layout is not None:
                     new._dpcompile_tp_layout = layout  # read by the backend: the gradient's tp meaning
                 converted[id(p)] = (new, layout)
+                p._dpcompile_sharded_as = converted[id(p)]  # for the modules that share it, sharded later
             sub._parameters[n], layout = converted[id(p)]
             if layout is not None:
                 layouts[n] = layout
@@ -323,6 +329,30 @@ def _run_gradient_wrapping_eagerly() -> None:
     skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
     if skip is not None:
         skip(DTensor.__tensor_unflatten__.__code__)
+
+
+def _sharded_earlier(p: nn.Parameter, name: str, mesh: DeviceMesh, placements: dict, tp_sharded: dict,
+                     reshard_after_forward: bool) -> tuple[nn.Parameter, _TPLayout | None] | None:
+    """The sharded parameter an earlier fully_shard call made of ``p``, which this module shares with a module of
+    that call (Hugging Face ties a parameter across blocks by making it one object: Zamba's shared attention
+    block), or None. The tie must survive: two parameters would train apart. Refused where the two calls
+    disagree on how to shard it."""
+    earlier = getattr(p, "_dpcompile_sharded_as", None)
+    if earlier is None:
+        return None
+    new, layout = earlier
+    want = tp_sharded[id(p)][0].placements if id(p) in tp_sharded else tuple(placements[id(p)])
+    dp_mesh = layout.dp_mesh if layout is not None else new.device_mesh
+    got = new.placements
+    if dp_mesh != mesh or (layout is None and tuple(got) != tuple(want)) or \
+            new._dpcompile_reshard_after_forward != reshard_after_forward:
+        raise ValueError(
+            f"fully_shard: parameter {name!r} is shared with a module an earlier "
+            f"fully_shard call sharded on {dp_mesh} with placements {tuple(got)} and reshard_after_forward="
+            f"{new._dpcompile_reshard_after_forward}; this call asks for {mesh}, {tuple(want)} and "
+            f"{reshard_after_forward}. A shared parameter has one layout: give both calls the same mesh, "
+            f"shard_placement_fn and reshard_after_forward, or shard the modules' common parent in one call")
+    return earlier
 
 
 def _default_mesh() -> DeviceMesh:

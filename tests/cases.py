@@ -128,6 +128,11 @@ SMALL_LAYER_CASES = {
     "fourier_mixer": Case(lambda: M.FourierMixer(), lambda B: ((torch.randn(B, 5, 3),), (torch.randn(B, 3),)), M.mse),
     "spatial_transformer": Case(lambda: M.SpatialTransformer(), lambda B: ((torch.randn(B, 3, 8, 8),),
                                                                           (torch.randn(B, 3),)), M.mse),
+    # an associative scan behind "is the batch empty?" (Mamba, Falcon-Mamba, Jamba)
+    "selective_scan": Case(lambda: M.SelectiveScan(), lambda B: ((torch.randn(B, 5, 3),), (torch.randn(B, 3),)),
+                           M.mse),
+    # one Parameter in two blocks of a ModuleList (transformers' tied blocks), sharded block by block
+    "tied_blocks": Case(lambda: M.TiedBlocks(), lambda B: ((torch.randn(B, 4, 3),), (torch.randn(B, 4, 3),)), M.mse),
     # a top-2 routed mixture of experts: topk routing, expert weights gathered per token (an index_put gradient)
     "routed_experts": Case(lambda: M.RoutedExperts(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                            M.mse),

@@ -677,8 +677,14 @@ def bad_inputs(rank, world, init_file, out_dir):
         "list_not_modules": lambda m: dpcompile.fully_shard([m, "fc"], mesh=mesh),
         "cpu_offload": lambda m: dpcompile.fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy()),
         "ignored_params": lambda m: dpcompile.fully_shard(m, mesh=mesh, ignored_params={m.bias}),
+        # a weight tied to one an earlier call sharded otherwise: refused, naming it (one parameter, one layout)
+        "tied_apart": lambda m: dpcompile.fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)),
     }.items():
         lin = torch.nn.Linear(4, 3)
+        if key == "tied_apart":
+            first = torch.nn.Linear(4, 3)
+            lin.weight = first.weight
+            dpcompile.fully_shard(first, mesh=mesh)
         try:
             call(lin)
             results[key] = "no error"

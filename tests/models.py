@@ -673,6 +673,54 @@ class SpatialTransformer(nn.Module):
         return self.head(self.conv(F.grid_sample(x, grid, align_corners=False)).mean((2, 3)))
 
 
+def _scan_step(left, right):
+    """(a, b) pairs of h_t = a_t * h_(t-1) + b_t composed: associative, as associative_scan needs."""
+    a_left, b_left = left
+    a_right, b_right = right
+    return a_left * a_right, a_right * b_left + b_right
+
+
+class SelectiveScan(nn.Module):
+    """Mamba's selective scan as Hugging Face compiles it: a gated recurrence h_t = a_t * h_(t-1) + b_t over the
+    tokens by torch's associative_scan, inside Falcon-Mamba's and Jamba's ``if x.numel() > 0:`` (their scan
+    cannot take an empty chunk). Both ask about an unbacked batch size: is it empty?"""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inp = nn.Linear(3, 2 * d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):  # [B, T, 3]
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        gate, b = self.inp(x).chunk(2, dim=-1)
+        a = torch.sigmoid(gate)
+        if b.numel() > 0:
+            mode = "pointwise" if x.is_cuda else "generic"  # as transformers' Mamba chooses
+            _, h = associative_scan(_scan_step, (a, b), dim=1, combine_mode=mode)
+        else:
+            h = b
+        return self.out(torch.tanh(h)).mean(1)
+
+
+class TiedBlocks(nn.Module):
+    """Blocks of a ModuleList whose first and last hold one Parameter object (how transformers ties Zamba's shared
+    attention block across its hybrid layers): the sharded runs shard block by block, and the tie must hold."""
+
+    def __init__(self, d=6, n=3):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(n))
+        self.blocks[-1][0].weight = self.blocks[0][0].weight
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):  # [B, T, 3]
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
 class Autocast(nn.Module):
     """The wrapped model under bf16 autocast on its input's device, output in fp32: fp32 parameters, bf16
     compute, what users train in (autocast leaves float64 alone, so the fp64 oracle's copy runs in fp64)."""

@@ -423,7 +423,9 @@ class DPPartitioner(CustomPartitionerFn):
             precompiled = precompile_kernels([fw, bw])
         if precompiled is not None:
             ctx.summary["kernel_precompile"] = precompiled
-        self.record.counters = {**self.record.counters, **ctx.counters}  # (the rewrites before AOTAutograd's)
+        # the rewrites before AOTAutograd's, a counter both count summed (nonempty_batch_asserts_removed)
+        self.record.counters = {k: self.record.counters.get(k, 0) + ctx.counters.get(k, 0)
+                                for k in {**self.record.counters, **ctx.counters}}
         # Inductor's memory planning of bw adds buffer_reuses_refused to them
         count_refusals(bw, f"{id(self.record)}:{self.record.compile_id}", self.record.counters)
         with clock("graph_texts"):
@@ -757,7 +759,7 @@ class DPBackend:
         cid = CompileContext.current_compile_id()
         compile_id = str(cid) if cid is not None else str(len(self.compiled))
         inputs = classify_inputs(gm, example_inputs, self.config)
-        forget_nonempty_axiom(gm, inputs)  # before dynamo guards the frame on it
+        nonempty_asserts = forget_nonempty_axiom(gm, inputs)  # before dynamo guards the frame on it
         tp = check_sharding(inputs, example_inputs)
         if tp is not None:
             allow_dtensor_gradients_in_dynamo()
@@ -776,6 +778,7 @@ class DPBackend:
         # partitioner from the gradients' placements (DPPartitioner._tp_gradient_kinds)
         self.noise.index_ranks = {}
         record = CompiledStep(compile_id, inputs)
+        record.counters["nonempty_batch_asserts_removed"] = nonempty_asserts  # with passes.empty_batch's
         self.compiled.append(record)
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())
         record.graphs["dynamo"] = graph_text(gm)

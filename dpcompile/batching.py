@@ -75,10 +75,12 @@ def says_only_nonempty(expr: sympy.Basic, b: sympy.Symbol) -> bool:
 
 
 def forget_nonempty_axiom(gm: fx.GraphModule, inputs) -> int:
-    """Let the graph dynamo traced for a batch of >= 1 sample also be entered with none; the number of batch
-    symbols it widened.
+    """Let the graph dynamo traced for a batch of >= 1 sample also be entered with none; the number of asserts
+    "the batch is not empty" it dropped from the graph (the bound's, and those dynamo's tracing made, e.g. for
+    ``view(B, T, H, -1)``).
 
-    ``mark_batch_unbacked`` gives the batch symbol the lower bound 1, so that dynamo resolves the model's
+    ``mark_batch_unbacked(nonempty=True)`` (the sharded step's automatic marking, ``mark_batch(nonempty=True)``)
+    gives the batch symbol the lower bound 1, so that dynamo resolves the model's
     Python questions about an empty batch (``if h.numel() > 0:`` in Falcon-Mamba's scan, torch's
     ``associative_scan``) as "not empty" instead of giving up on the graph. That bound would also become a
     guard on the frame (``1 <= x.size()[0]``: an empty rank would recompile, and fail, while the others wait in
@@ -97,26 +99,26 @@ def forget_nonempty_axiom(gm: fx.GraphModule, inputs) -> int:
     batch = {s for size in sizes for s in free_unbacked_symbols(size.node.expr)}
     # the marked dims' own symbols, which shape_id ties to the first by an equality (a replacement)
     batch |= {u for u in getattr(shape_env, "unbacked_inputs", ()) if shape_env.replacements.get(u) in batch}
-    widened = 0
     for b in batch:
         vr = shape_env.var_to_range.get(b)
         if vr is not None and vr.lower == 1:
             shape_env.var_to_range[b] = ValueRanges(0, int_oo)
-            widened += 1
         asserts = shape_env.deferred_runtime_asserts.get(b)
         if asserts:
             shape_env.deferred_runtime_asserts[b] = [ra for ra in asserts if not says_only_nonempty(ra.expr, b)]
     # and the asserts dynamo wrote into the graph from them (``_assert_scalar(u0 >= 1)``)
+    dropped = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default)):
         cond = node.args[0]
         val = cond.meta.get("example_value") if isinstance(cond, fx.Node) else None
         if isinstance(val, torch.SymBool) and any(says_only_nonempty(val.node.expr, b) for b in batch):
             gm.graph.erase_node(node)
+            dropped += 1
             if not cond.users:
                 gm.graph.erase_node(cond)
     gm.recompile()
     shape_env._maybe_evaluate_static.cache_clear()
-    return widened
+    return dropped
 
 
 def batch_hint(config) -> int | None:
@@ -132,21 +134,28 @@ def rank_share(expected_batch_size: int, world: int) -> int:
     return max(2, -(-int(expected_batch_size) // world))
 
 
-def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None) -> None:
+def mark_batch_unbacked(t: torch.Tensor, dim: int, hint: int | None = None, nonempty: bool = False) -> None:
     """Mark ``t``'s batch dim unbacked; all batch dims share one symbol where torch supports it.
 
     ``hint`` is the size Inductor tunes kernels for (it has none for an
     unbacked size and would assume a large one); it must be the same on every
-    rank so that every rank compiles the same code.
+    rank so that every rank compiles the same code. ``nonempty``: dynamo traces for a batch of at least one
+    sample, a bound the dp_fsdp backend forgets before the frame is guarded (forget_nonempty_axiom); another
+    backend would guard on it, and an empty batch would then fail.
     """
     kwargs = {"shape_id": _SHAPE_ID} if "shape_id" in _mark_unbacked_params() else {}
     if hint is not None and "hint_override" in _mark_unbacked_params():
         kwargs["hint_override"] = hint
-    if "min" in _mark_unbacked_params():
+    if nonempty and traces_nonempty():
         kwargs["min"] = 1  # dynamo traces for a batch of at least one sample (forget_nonempty_axiom)
     torch._dynamo.decorators.mark_unbacked(t, dim, **kwargs)
     setattr(t, _MARK, dim)
     install_hf_shims()  # third-party code that asks "is the batch 1?" where every answer is the same
+
+
+def traces_nonempty() -> bool:
+    """This torch's mark_unbacked takes a lower bound (torch 2.13): dynamo traces an unbacked batch as non-empty."""
+    return "min" in _mark_unbacked_params()
 
 
 @functools.cache
@@ -155,7 +164,7 @@ def _mark_unbacked_params() -> frozenset[str]:
     return frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
 
 
-def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = None) -> None:
+def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = None, nonempty: bool = False) -> None:
     """Compile the batch dim of these step inputs as one size for every batch (0 and 1 included).
 
     Optional: a step over a model sharded with ``dpcompile.fully_shard`` gets
@@ -166,17 +175,22 @@ def mark_batch(*tensors: torch.Tensor, batch_dim: int = 0, hint: int | None = No
     A flex_attention ``BlockMask`` built for the batch (``create_block_mask(mask_mod, B, ...)``) marks its
     tables and the tensors of the batch its mask_mod reads; one the batch shares (B=None) is not per-sample:
     leave it unmarked (and name it in the batch_dim option).
+    ``nonempty=True`` (for a dp_fsdp step, on torch 2.13): dynamo traces the step for a batch of at least one
+    sample, so that the model's questions about an empty batch (``if x.numel() > 0:``, torch's
+    associative_scan) take the non-empty branch; the step still runs with no samples, that branch on empty
+    tensors. What the sharded step's automatic marking does. Not for stock ``torch.compile``, which would guard
+    on the bound (an empty batch would then fail).
     """
     for t in tensors:
         if _is_block_mask(t):  # a block mask built for the batch: its tables and the data its mask_mod reads
-            mark_batch(*(v for _, v in _block_mask_tensors(t)), hint=hint)
+            mark_batch(*(v for _, v in _block_mask_tensors(t)), hint=hint, nonempty=nonempty)
             continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"mark_batch takes the step's batched tensors, got {type(t).__name__}")
         if t.dim() == 0:
             raise ValueError("mark_batch: a 0-d tensor has no batch dim; leave it unmarked and set "
                              "batch_dim={'<arg name>': None} in the dp_fsdp options")
-        mark_batch_unbacked(t, batch_dim % t.dim(), hint)
+        mark_batch_unbacked(t, batch_dim % t.dim(), hint, nonempty)
 
 
 def _is_block_mask(x: Any) -> bool:
@@ -251,7 +265,7 @@ def mark_arguments(arguments: Mapping[str, Any], config, hint: int | None = None
             bd = config.batch_dim_for(".".join([name, *path]))
             if bd is None or not -leaf.dim() <= bd < leaf.dim() or getattr(leaf, _MARK, None) == bd % leaf.dim():
                 continue
-            mark_batch_unbacked(leaf, bd % leaf.dim(), hint)
+            mark_batch_unbacked(leaf, bd % leaf.dim(), hint, nonempty=True)  # a dp_fsdp step's (mark_traced_batch)
             marked = True
     return marked
 

@@ -591,7 +591,7 @@ def run_training(*, private: bool, args, ctx: Dist, dev: torch.device, data: dic
             index = torch.tensor(idx, dtype=torch.long)
             ids, targets = train_in[index.to(dev)], train_tg[index.to(dev)]
             if private:
-                dpcompile.mark_batch(ids, targets, hint=hint)  # one graph for every batch size (also 0 and 1)
+                dpcompile.mark_batch(ids, targets, hint=hint, nonempty=True)  # one graph for every size (0, 1 too)
                 with dpcompile.accumulate(enabled=not last):
                     loss = step_fn(ids, targets)
             else:

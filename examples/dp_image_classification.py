@@ -143,7 +143,7 @@ def train_one(data: dict, args, *, noise_multiplier: float | None, desc: str) ->
     for t, idx in enumerate(bar):
         x, y = data["train_x"][idx], data["train_y"][idx]
         if private:
-            dpcompile.mark_batch(x, y)  # one graph for every batch size, empty batches included
+            dpcompile.mark_batch(x, y, nonempty=True)  # one graph for every batch size, empty batches included
             loss = step(x, y)
             accountant.step()
         elif idx:  # an empty batch has no gradient to take (the DP step above still adds its noise)

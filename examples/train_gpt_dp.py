@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     for step, idx in enumerate(sampler):
         ids = data[idx].to(dev)
         x, y = ids[:, :-1], ids[:, 1:]
-        dpcompile.mark_batch(x, y, hint=args.batch)  # one graph for every batch size (0 too), tuned for args.batch
+        # one graph for every batch size (0 too), tuned for args.batch
+        dpcompile.mark_batch(x, y, hint=args.batch, nonempty=True)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from . import (attention, collectives, contractions, convolution, elementwise, embedding, flex_attention, reductions,
-               row_order, sequence_losses, spatial, spectral, views)
+               row_order, scans, sequence_losses, spatial, spectral, views)
 from .elementwise import pointwise
 
 RULES: dict[Any, Any] = {}
 for _family in (views, elementwise, reductions, contractions, convolution, attention, flex_attention, embedding,
-                collectives, spatial, spectral, sequence_losses, row_order):
+                collectives, spatial, spectral, sequence_losses, row_order, scans):
     _twice = RULES.keys() & _family.RULES.keys()
     assert not _twice, f"ops with a rule in two families: {_twice}"
     RULES.update(_family.RULES)

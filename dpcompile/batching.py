@@ -103,22 +103,36 @@ def forget_nonempty_axiom(gm: fx.GraphModule, inputs) -> int:
         vr = shape_env.var_to_range.get(b)
         if vr is not None and vr.lower == 1:
             shape_env.var_to_range[b] = ValueRanges(0, int_oo)
-        asserts = shape_env.deferred_runtime_asserts.get(b)
-        if asserts:
-            shape_env.deferred_runtime_asserts[b] = [ra for ra in asserts if not says_only_nonempty(ra.expr, b)]
-    # and the asserts dynamo wrote into the graph from them (``_assert_scalar(u0 >= 1)``)
-    dropped = 0
-    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default)):
-        cond = node.args[0]
-        val = cond.meta.get("example_value") if isinstance(cond, fx.Node) else None
-        if isinstance(val, torch.SymBool) and any(says_only_nonempty(val.node.expr, b) for b in batch):
-            gm.graph.erase_node(node)
-            dropped += 1
-            if not cond.users:
-                gm.graph.erase_node(cond)
+    # and the asserts the bound made, in the shape env and in dynamo's graph (``_assert_scalar(u0 >= 1)``)
+    dropped, _ = drop_nonempty_asserts(gm, shape_env, batch)
     gm.recompile()
     shape_env._maybe_evaluate_static.cache_clear()
     return dropped
+
+
+def drop_nonempty_asserts(gm: fx.GraphModule, shape_env, batch: set) -> tuple[int, int]:
+    """Drop the asserts that say nothing but "the batch is not empty" (``says_only_nonempty`` of one of the batch
+    symbols): ``_assert_scalar`` nodes of ``gm`` (dynamo's graph, or the joint graph) and the shape env's deferred
+    runtime asserts, which Inductor would emit wherever the symbol is bound. (graph asserts, deferred asserts)
+    dropped."""
+    deferred = 0
+    for b in batch:
+        asserts = shape_env.deferred_runtime_asserts.get(b, [])
+        kept = [ra for ra in asserts if not says_only_nonempty(ra.expr, b)]
+        if len(kept) != len(asserts):
+            shape_env.deferred_runtime_asserts[b] = kept
+            deferred += len(asserts) - len(kept)
+    in_graph = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default)):
+        cond = node.args[0]
+        # (dynamo's graph holds example values, AOTAutograd's vals)
+        val = cond.meta.get("val", cond.meta.get("example_value")) if isinstance(cond, fx.Node) else None
+        if isinstance(val, torch.SymBool) and any(says_only_nonempty(val.node.expr, b) for b in batch):
+            gm.graph.erase_node(node)
+            in_graph += 1
+            if not cond.users:
+                gm.graph.erase_node(cond)
+    return in_graph, deferred
 
 
 def batch_hint(config) -> int | None:

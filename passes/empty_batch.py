@@ -20,19 +20,12 @@ import sympy
 import torch
 import torch.fx as fx
 
+from dpcompile.batching import drop_nonempty_asserts
 from dpcompile.empty_fft import ON_ANY_BATCH
 
 from .context import DPPassContext
 
 aten = torch.ops.aten
-
-
-def says_only_nonempty(expr: sympy.Basic, b: sympy.Symbol) -> bool:
-    """True iff ``expr`` mentions only ``b``, is false at b = 0 and true for every b >= 1."""
-    if not isinstance(expr, sympy.Basic) or expr.free_symbols != {b}:
-        return False
-    n = sympy.Symbol("n", integer=True, positive=True)
-    return bool(expr.subs(b, 0) == sympy.false) and bool(expr.subs(b, n) == sympy.true)
 
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -58,27 +51,20 @@ def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     if not isinstance(B, torch.SymInt) or not isinstance(B.node.expr, sympy.Symbol):
         return gm  # a concrete batch size: the graph was built for it
     b = B.node.expr
-    for node in list(gm.graph.find_nodes(op="call_function", target=aten._assert_scalar.default)):
-        cond = node.args[0]
-        val = cond.meta.get("val") if isinstance(cond, fx.Node) else None
-        if isinstance(val, torch.SymBool) and says_only_nonempty(val.node.expr, b):
-            gm.graph.erase_node(node)
-            ctx.counters["nonempty_batch_asserts_removed"] += 1
+    # Inductor emits the shape environment's deferred runtime asserts for an
+    # unbacked symbol wherever it is bound, whatever the graph holds; drop them
+    # there too (they are also axioms there: without them the simplifier proves
+    # less, which only makes the generated code more general).
+    in_graph, deferred = drop_nonempty_asserts(gm, B.node.shape_env, {b})
+    if in_graph:
+        ctx.counters["nonempty_batch_asserts_removed"] += in_graph
+    if deferred:
+        ctx.counters["nonempty_batch_axioms_dropped"] += deferred
     # The same assumption left a -1 in the view's sizes, which Inductor resolves from the traced shape but
     # op-by-op execution (compiler="eager") cannot on an empty tensor: write the traced size in its place.
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _VIEWS and _resolve_inferred_size(node):
             ctx.counters["nonempty_batch_views_resolved"] += 1
-    # Inductor emits the shape environment's deferred runtime asserts for an
-    # unbacked symbol wherever it is bound, whatever the graph holds; drop it
-    # there too (it is also an axiom there: without it the simplifier proves
-    # less, which only makes the generated code more general).
-    shape_env = B.node.shape_env
-    kept = [ra for ra in shape_env.deferred_runtime_asserts.get(b, []) if not says_only_nonempty(ra.expr, b)]
-    dropped = len(shape_env.deferred_runtime_asserts.get(b, [])) - len(kept)
-    if dropped:
-        shape_env.deferred_runtime_asserts[b] = kept
-        ctx.counters["nonempty_batch_axioms_dropped"] += dropped
     # torch's CPU Fourier transforms raise on an empty input (dpcompile.empty_fft)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ON_ANY_BATCH and _holds(node.args[0], b):

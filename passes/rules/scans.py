@@ -6,11 +6,11 @@ additional_inputs)`` scans every x along dim 0 (the wrapper moves the scan dim t
 running result of elements 0..t-1 by ``combine``. A combine made only of pointwise ops reads, at each position, the
 values at that position: along every dim other than the scan dim the scan keeps elements apart, so samples in such a
 dim stay apart and each output has the samples where its inputs have them. Refused: the scan along the sample dim
-(it runs one sample into the next), xs with samples laid out differently, a combine with an op that is not pointwise,
-per-sample additional inputs, and a scan of several tensors together (Mamba's (a, b) pairs): torch's backward of
-that is wrong (each tensor's gradient taken apart from the others'; measured in the refusal). One tensor's scan (a
-cumulative product, maximum, logsumexp) has the right gradient. The generic mode (the CPU's) is traced into plain
-ops, and so is the op's backward.
+(it runs one sample into the next), a combine with an op that is not pointwise, per-sample additional inputs, and a
+scan of several tensors together (Mamba's (a, b) pairs): torch's backward of that is wrong (each tensor's gradient
+taken apart from the others'; measured in the refusal). One tensor's scan (a cumulative product, maximum,
+logsumexp) has the right gradient. The generic mode (the CPU's) is traced into plain ops, and so is the op's
+backward.
 """
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-
-from dpcompile.fx_utils import known
 
 from ..batch_state import FREE, SINGLE, Batched, fail_layout
 
@@ -59,29 +57,16 @@ def _associative_scan(an, node: fx.Node):
         if isinstance(s, Batched) and s.dim is not None:
             raise an.refuse(node, f"an additional input of the scan ({a.name}) is per-sample",
                             "pass per-sample tensors as scanned inputs (xs)")
-    found = None
-    for x in xs:
-        s = an.st(x)
-        if s is FREE or s == SINGLE:
-            continue
-        if not isinstance(s, Batched):
-            return fail_layout(an, node, f"a scanned input ({x.name}) is laid out as {s}")
-        if s.dim == 0:
-            return fail_layout(an, node, "scans along the sample dim: each sample's result would take the samples "
-                                         "before it")
-        if found is not None and found != s:
-            return fail_layout(an, node, f"scans inputs whose samples lie apart ({found} vs {s})")
-        found = s
-    if found is None:
-        return tuple(SINGLE for _ in xs)
-    for x in xs:  # a scanned input without samples is combined with the per-sample ones: the same shape is needed
-        if an.st(x) is FREE or an.st(x) == SINGLE:
-            v, w = x.meta.get("val"), xs[0].meta.get("val")
-            if not isinstance(v, torch.Tensor) or v.dim() != w.dim() or \
-                    not all(known(vs == ws) for vs, ws in zip(v.shape, w.shape)):
-                return fail_layout(an, node, f"combines a scanned input without samples ({x.name}) of another "
-                                             f"shape with per-sample ones")
-    return tuple(found for _ in xs)
+    (x,) = xs
+    s = an.st(x)
+    if s is FREE or s == SINGLE:
+        return (SINGLE,)
+    if not isinstance(s, Batched):
+        return fail_layout(an, node, f"the scanned input ({x.name}) is laid out as {s}")
+    if s.dim == 0:
+        return fail_layout(an, node, "scans along the sample dim: each sample's result would take the samples "
+                                     "before it")
+    return (s,)
 
 
 RULES: dict[Any, Any] = {}

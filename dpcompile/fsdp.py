@@ -257,23 +257,23 @@ def fully_shard(
             f"fully_shard: parameter {scalars[0]!r} is a scalar (0-dim), which dpcompile cannot shard. Give it "
             f"a dim (shape [1]); for nn.utils.parametrizations.weight_norm(..., dim=None) pass dim=0, which "
             f"normalises per output row (a scalar gain per row instead of one)")
-    # tensor-parallel parameters first: a layout that cannot be taken is refused before anything changes
-    tp_sharded = {id(p): _shard_tensor_parallel(p, mesh, name) for name, p in module.named_parameters()
-                  if isinstance(p, DTensor) and not _made_here(p)}
+    params = [(name, p) for name, p in module.named_parameters() if not _made_here(p)]
+    # tensor-parallel parameters first: a layout that cannot be taken is refused before anything changes (one an
+    # earlier call sharded, in a module that shares it with this one, is reused below, not sharded again)
+    tp_sharded = {id(p): _shard_tensor_parallel(p, mesh, name) for name, p in params
+                  if isinstance(p, DTensor) and getattr(p, "_dpcompile_sharded_as", None) is None}
     # every other parameter's placements, shard_placement_fn asked once each, before anything changes
     placements = {}
-    for name, p in module.named_parameters():
-        if _made_here(p):
-            continue
-        if id(p) not in tp_sharded:
+    for name, p in params:
+        if not isinstance(p, DTensor):
             placements[id(p)] = _placements(p, name, mesh, shard_placement_fn)
         elif shard_placement_fn is not None and (asked := shard_placement_fn(p)) not in (None, Shard(0)):
             raise ValueError(f"fully_shard: parameter {name!r} is tensor parallel; its data-parallel pieces are "
                              f"Shard(0) of each tensor-parallel piece, so shard_placement_fn must return None "
                              f"or Shard(0) for it, got {asked!r}")
     # parameters an earlier call sharded in a module that shares them with this one, checked before anything changes
-    earlier = {id(p): e for name, p in module.named_parameters() if not _made_here(p)
-               and (e := _sharded_earlier(p, name, mesh, placements, tp_sharded, reshard_after_forward)) is not None}
+    earlier = {id(p): e for name, p in params
+               if (e := _sharded_earlier(p, name, mesh, placements.get(id(p)), reshard_after_forward)) is not None}
     converted: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}  # tied parameters stay tied
     for sub in module.modules():
         names = tuple(
@@ -331,27 +331,29 @@ def _run_gradient_wrapping_eagerly() -> None:
         skip(DTensor.__tensor_unflatten__.__code__)
 
 
-def _sharded_earlier(p: nn.Parameter, name: str, mesh: DeviceMesh, placements: dict, tp_sharded: dict,
+def _sharded_earlier(p: nn.Parameter, name: str, mesh: DeviceMesh, want: list | None,
                      reshard_after_forward: bool) -> tuple[nn.Parameter, _TPLayout | None] | None:
     """The sharded parameter an earlier fully_shard call made of ``p``, which this module shares with a module of
     that call (Hugging Face ties a parameter across blocks by making it one object: Zamba's shared attention
     block), or None. The tie must survive: two parameters would train apart. Refused where the two calls
-    disagree on how to shard it."""
+    disagree on how to shard it. want: this call's placements for ``p``; None for a tensor-parallel parameter,
+    whose layout follows from its tensor-parallel placement and the dp mesh alone."""
     earlier = getattr(p, "_dpcompile_sharded_as", None)
     if earlier is None:
         return None
     new, layout = earlier
-    want = tp_sharded[id(p)][0].placements if id(p) in tp_sharded else tuple(placements[id(p)])
     dp_mesh = layout.dp_mesh if layout is not None else new.device_mesh
-    got = new.placements
-    if dp_mesh != mesh or (layout is None and tuple(got) != tuple(want)) or \
+    got = tuple(new.placements)
+    if dp_mesh != mesh or (want is not None and got != tuple(want)) or \
             new._dpcompile_reshard_after_forward != reshard_after_forward:
+        asked = "its tensor-parallel layout" if want is None else f"placements {tuple(want)}"
         raise ValueError(
             f"fully_shard: parameter {name!r} is shared with a module an earlier "
-            f"fully_shard call sharded on {dp_mesh} with placements {tuple(got)} and reshard_after_forward="
-            f"{new._dpcompile_reshard_after_forward}; this call asks for {mesh}, {tuple(want)} and "
-            f"{reshard_after_forward}. A shared parameter has one layout: give both calls the same mesh, "
-            f"shard_placement_fn and reshard_after_forward, or shard the modules' common parent in one call")
+            f"fully_shard call sharded on {dp_mesh} with placements {got} and reshard_after_forward="
+            f"{new._dpcompile_reshard_after_forward}; this call asks for {mesh}, {asked} and "
+            f"reshard_after_forward={reshard_after_forward}. A shared parameter has one layout: give both calls "
+            f"the same mesh, shard_placement_fn and reshard_after_forward, or shard the modules' common parent in "
+            f"one call")
     return earlier
 
 

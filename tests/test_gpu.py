@@ -7,9 +7,8 @@ import torch
 
 import dpcompile
 import models as M
-from dpcompile.batching import traces_nonempty
 from reference import dp_reference
-from cases import CASES, TORCH_2_13, bad_samples, check_case_invariants, finite_median, with_bad_samples
+from cases import CASES, bad_samples, check_case_invariants, finite_median, unbacked_left_out, with_bad_samples
 from helpers import all_cpp_wrapper_codes, assert_bf16_close, assert_norms_read_bf16, clipped_on
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -49,9 +48,7 @@ def test_cuda_matches_reference(case, schedule):
 @pytest.mark.parametrize("case", [c for c in ["gpt", "llama", "norms", "conv_kinds", "embedding_padding",
                                                "routed_experts", "sorted_experts", "fourier_mixer",
                                                "spatial_transformer", "sequence_ops", "selective_scan"]
-                                  if c in CASES and (TORCH_2_13 or c != "spatial_transformer")
-                                  and (traces_nonempty() or c != "selective_scan")])
-# (torch 2.11's F.grid_sample cannot take an unbacked batch, nor its dynamo an empty scan: cases.SHARDED_LEFT_OUT)
+                                  if c in CASES and c not in unbacked_left_out("cuda")])
 def test_cuda_unbacked_batch_matches_reference(case, schedule):
     """One graph for every batch size, as sharded and Poisson-sampled steps compile it (the batch unbacked,
     with Inductor's hint): batches of 5, 3, 1 and 0 through one compile, each exact against the fp64 oracle

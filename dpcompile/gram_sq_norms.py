@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernel_plans
+from . import address_tables, kernel_plans
 from .kernel_plans import cached_plan, kernel_dtype
 
 CPU_BLOCK_BYTES = 64 << 20  # the aten path: [n, S, S] Gram matrices of at most this many bytes at a time
@@ -144,6 +144,18 @@ _PLANS: dict = {}  # launch() arguments per call signature (kernel_plans.cached_
 def launch(a, g, config: dict | None = None):
     """Runs the Triton kernel (on CPU tensors too under TRITON_INTERPRET=1). config: BLOCK_S, BLOCK_K, num_warps,
     num_stages to try others (benchmarks/gram_norm_kernel.py); its parts then differ."""
+    a, g, key, plan = _prepared(a, g, config)
+    B, n_parts, grid, args, consts, plan_id = plan
+    out = torch.empty(B, n_parts, dtype=torch.float32, device=a.device)
+    if B:
+        from dpcompile import triton_kernels
+
+        kernel_plans.launch(triton_kernels.gram_sq_norms_kernel, grid, (a, g, out, *args), consts, plan_id)
+    return out
+
+
+def _prepared(a, g, config=None):
+    """(a, g in the kernel's dtype and order, their call signature, its plan)."""
     dtype = kernel_dtype(a.dtype, g.dtype)
     if a.dtype != dtype:
         a = a.to(dtype)
@@ -154,12 +166,99 @@ def launch(a, g, config: dict | None = None):
     tf32 = dtype == torch.float32 and a.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     key = (a.shape, a.stride(), g.shape, g.stride(), dtype, a.device, tf32, SPLIT_K,
            tuple(sorted(config.items())) if config else None)
-    B, n_parts, grid, args, consts, plan_id = cached_plan(_PLANS, key, lambda: _plan(a, g, dtype, tf32, config))
-    out = torch.empty(B, n_parts, dtype=torch.float32, device=a.device)
-    if B:
-        from dpcompile import triton_kernels
+    return a, g, key, cached_plan(_PLANS, key, lambda: _plan(a, g, dtype, tf32, config))
 
-        kernel_plans.launch(triton_kernels.gram_sq_norms_kernel, grid, (a, g, out, *args), consts, plan_id)
+
+# -- many contractions in one call ---------------------------------------------------------------------------------
+# bk keeps every layer's per-sample operands until the clip, so its Gram norms can all run where the last one is
+# (passes.grouped_gram_norms): one call, one launch per signature (shapes, strides, dtype) through a table of the
+# operands' addresses, as zero_rows_ and add_randn do. GPT-2-small's 49 Gram norm launches cost about 20 us of host
+# time each, and its bf16 32x256 step is host-bound (22.1 ms of wall clock against 19.2 of GPU time, one H200).
+_LIB.define("gram_sq_norms_group(Tensor[] a, Tensor[] g) -> Tensor")
+TABLE_ENTRIES = 4  # per contraction: a's address, g's, its output block's, and a pad (rows 16-byte aligned)
+MAX_TABLE_ROWS = 65535  # a launch's grid dim 1
+
+
+def gram_sq_norms_group(a: list[torch.Tensor], g: list[torch.Tensor]) -> torch.Tensor:
+    """a[k]: [B, S_k, p_k], g[k]: [B, S_k, m_k] (one B, one device). Returns [B, sum_k parts_k] fp32: the
+    partial sums gram_sq_norms(a[k], g[k]) side by side, in the order of k."""
+    _check_group(a, g)
+    if a[0].device.type == "cuda":
+        return launch_group(a, g)
+    return torch.cat([_aten(x, y) for x, y in zip(a, g)], 1)
+
+
+_LIB.impl("gram_sq_norms_group", gram_sq_norms_group, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("dpcompile::gram_sq_norms_group", lib=_LIB)
+def _(a, g):
+    _check_group(a, g)
+    return a[0].new_empty([a[0].shape[0], group_parts(a, g)], dtype=torch.float32)
+
+
+def group_parts(a, g) -> int:
+    return sum(parts(x.shape[1], x.shape[2], y.shape[2]) for x, y in zip(a, g))
+
+
+def _check_group(a, g) -> None:
+    if len(a) != len(g) or not a:
+        raise ValueError(f"gram_sq_norms_group: {len(a)} first and {len(g)} second operands; give one pair per "
+                         f"contraction, at least one")
+    B, device = a[0].shape[0], a[0].device
+    for x, y in zip(a, g):
+        if x.dim() != 3 or y.dim() != 3 or x.shape[0] != B or y.shape[0] != B or x.shape[1] != y.shape[1] \
+                or x.device != device or y.device != device:
+            raise ValueError(f"gram_sq_norms_group: operands must be [B, S, p] and [B, S, m] with one B and "
+                             f"device; got {tuple(x.shape)} on {x.device} and {tuple(y.shape)} on {y.device} "
+                             f"with B={B} on {device}")
+
+
+_TABLE_PLANS: dict = {}  # the table kernel's constexprs and launch id per (signature, output stride, alignment,
+# first row)
+
+
+def launch_group(a: list[torch.Tensor], g: list[torch.Tensor]) -> torch.Tensor:
+    """gram_sq_norms_group through the table kernel, one launch per signature (on CPU tensors too under
+    TRITON_INTERPRET=1); per contraction where no table can be made (a CUDA graph capture with no pinned memory
+    set aside)."""
+    _check_group(a, g)
+    recording = kernel_plans.is_recording()  # fake tensors (dpcompile.precompile): no addresses
+    members: dict = {}  # (signature, aligned) -> [(a, g, plan, column)]
+    column = 0
+    for x, y in zip(a, g):
+        x, y, key, plan = _prepared(x, y)
+        aligned = recording or (x.data_ptr() % 16 == 0 and y.data_ptr() % 16 == 0)
+        members.setdefault((key, aligned), []).append((x, y, plan, column))
+        column += plan[1]
+    B = a[0].shape[0]
+    out = torch.empty(B, column, dtype=torch.float32, device=a[0].device)
+    if not B:
+        return out
+    from dpcompile import triton_kernels
+
+    base = 0 if recording else out.data_ptr()
+    entries: list[int] = []
+    for group in members.values():
+        for x, y, plan, col in group:
+            entries += (0, 0, 0, 0) if recording else (x.data_ptr(), y.data_ptr(), base + 4 * col, 0)
+    table = address_tables.table(entries, out.device)
+    if table is None:
+        for group in members.values():
+            for x, y, plan, col in group:
+                out[:, col:col + plan[1]] = launch(x, y)
+        return out
+    row = 0
+    for (key, aligned), group in members.items():
+        _, n_parts, grid, args, consts, _ = group[0][2]
+        for lo in range(0, len(group), MAX_TABLE_ROWS):
+            n = min(MAX_TABLE_ROWS, len(group) - lo)
+            # (the table whole, its first row an argument: a slice of it is a view op per launch, host time)
+            table_consts, plan_id = cached_plan(_TABLE_PLANS, (key, column, aligned, row + lo),
+                                                lambda: ({**consts, "ALIGNED": aligned}, kernel_plans.launch_id()))
+            kernel_plans.launch(triton_kernels.gram_sq_norms_table_kernel, (grid[0], n),
+                                (table, row + lo, group[0][0], column, *args), table_consts, plan_id)
+        row += len(group)
     return out
 
 

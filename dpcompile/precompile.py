@@ -35,6 +35,7 @@ def _impls() -> dict:
     ops = torch.ops.dpcompile
     return {
         ops.gram_sq_norms.default: gram_sq_norms.gram_sq_norms,
+        ops.gram_sq_norms_group.default: gram_sq_norms.gram_sq_norms_group,
         ops.conv_weight_sq_norms.default: conv_sq_norms.conv_weight_sq_norms,
         ops.conv_weight_grads.default: conv_sq_norms.conv_weight_grads,
         ops.add_randn.default: add_randn.add_randn,

@@ -145,19 +145,53 @@ def gram_sq_norms_kernel(a_ptr, g_ptr, out_ptr, sa_b, sa_s, sa_f, sg_b, sg_s, sg
                          S: tl.constexpr, P: tl.constexpr, M: tl.constexpr, TILES: tl.constexpr,
                          SPLITS: tl.constexpr, KS: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # out: [B, parts] contiguous, one part per program
+    pid = tl.program_id(0)
+    _gram_program(a_ptr, g_ptr, out_ptr + pid, pid, sa_b, sa_s, sa_f, sg_b, sg_s, sg_f, S, P, M, TILES, SPLITS, KS,
+                  BLOCK_S, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def gram_sq_norms_table_kernel(table_ptr, first, ref_ptr, out_stride, sa_b, sa_s, sa_f, sg_b, sg_s, sg_f,
+                               S: tl.constexpr, P: tl.constexpr, M: tl.constexpr, TILES: tl.constexpr,
+                               SPLITS: tl.constexpr, KS: tl.constexpr, BLOCK_S: tl.constexpr,
+                               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ALIGNED: tl.constexpr):
+    # Many contractions of one signature (shapes, strides, dtype) in one launch: program (pid, t) is program pid
+    # of gram_sq_norms_kernel on contraction t, whose table row (first + t) holds the addresses of its two operands and of
+    # its [B, parts] block of the output (rows out_stride apart; dpcompile.gram_sq_norms.TABLE_ENTRIES). ref_ptr
+    # only gives the operands' element type. ALIGNED: every operand address is a multiple of 16 bytes, as Triton
+    # assumes of an aligned pointer argument (an address read from memory carries no such fact, and loads
+    # without it are not vectorised).
+    pid = tl.program_id(0)
+    row = table_ptr + 4 * (first + tl.program_id(1))
+    a_ptr = tl.load(row).to(tl.pointer_type(ref_ptr.dtype.element_ty))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(ref_ptr.dtype.element_ty))
+    out_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        a_ptr = tl.multiple_of(a_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+    per_sample = TILES * TILES * SPLITS
+    out = out_ptr + (pid // per_sample).to(tl.int64) * out_stride + pid % per_sample
+    _gram_program(a_ptr, g_ptr, out, pid, sa_b, sa_s, sa_f, sg_b, sg_s, sg_f, S, P, M, TILES, SPLITS, KS,
+                  BLOCK_S, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _gram_program(a_ptr, g_ptr, out, pid, sa_b, sa_s, sa_f, sg_b, sg_s, sg_f,
+                  S: tl.constexpr, P: tl.constexpr, M: tl.constexpr, TILES: tl.constexpr,
+                  SPLITS: tl.constexpr, KS: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     # One program per (sample, piece of G's features, tile pair), the tile pairs of one piece adjacent: they read
     # the same rows of the piece, from L2 (G [8192, 50257] of an LM head is 0.8 GB: read once, not once per
     # tile pair, where it can). <A A^T, G G^T> is linear in G G^T, the sum of its pieces' Grams over features
     # [s KS, (s + 1) KS): a program computes A's Gram tile whole and G's over its piece, and its partial sum is
     # exact to add. Where G is wide that gives the GPU programs enough to fill it (a sample's three tile pairs at
-    # 256 tokens, 96 programs at batch 32, left SMs idle over a 50257-long loop).
-    pid = tl.program_id(0)
+    # 256 tokens, 96 programs at batch 32, left SMs idle over a 50257-long loop). Its sum is stored at out.
     pair = pid % (TILES * TILES)
     s = pid // (TILES * TILES) % SPLITS
     b = pid // (TILES * TILES * SPLITS)
     i = pair // TILES
     j = pair % TILES
-    out = out_ptr + pid
     if j < i:  # the Gram matrices are symmetric: tile (j, i) counts for this one
         tl.store(out, 0.0)
     else:

@@ -22,6 +22,7 @@ from .conv_backward_split import conv_backward_split_pass
 from .context import DPPassContext, ParamInfo, PassOptions
 from .empty_batch import empty_batch_pass
 from .fsdp_reshard import fsdp_reshard_pass
+from .grouped_gram_norms import grouped_gram_norms_pass
 from .inplace_row_masks import inplace_row_masks_pass
 from .loss_reduction import loss_reduction_pass
 from .mutated_input_reads import mutated_input_reads_pass
@@ -80,6 +81,8 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     # end read straight from a forward value makes the min-cut keep that value instead of recomputing it
     Pass("view_chains", view_chains_pass, optional=True, inductor_only=True),
     Pass("inplace_row_masks", inplace_row_masks_pass, optional=True),
+    # bk's Gram norms where the last one is, one launch per signature: these steps are launch-bound
+    Pass("grouped_gram_norms", grouped_gram_norms_pass, optional=True),
     # again after the partition and the passes above, which place nodes of their own
     Pass("backward_wait_order", wait_order_pass),
 )

@@ -438,6 +438,8 @@ def check_case_invariants(name, counters, summary):
     if counters.get("bk_deferred_contractions") and name.startswith(("gpt", "llama", "hf_")):
         # bk masks the wider operand of a block's projections, an output gradient the backward makes: in place
         assert counters.get("row_masks_in_place", 0) >= 1, counters
+        if counters.get("gram_norm_kernels", 0) >= 2:  # its operands alive until the clip: norms in one call
+            assert counters.get("gram_norms_grouped", 0) >= 2, counters
     # every per-sample conv gradient a norm kernel keeps makes its clipped weight gradient (bk only)
     assert counters.get("bk_conv_grads_from_rows", 0) == counters.get("conv_grads_kept", 0), counters
     if kinds & {"conv_kinds", "vision_blocks"} and \

@@ -59,8 +59,46 @@ def split_errors(device: str, dtypes, split_k: int = 32) -> dict[str, float]:
         gram_sq_norms.SPLIT_K = old
 
 
+def misaligned(B: int, S: int, F: int, device: str) -> torch.Tensor:
+    """[B, S, F] contiguous one element past an aligned address (a view into a larger buffer)."""
+    return torch.randn(B * S * F + 1, device=device)[1:].view(B, S, F)
+
+
+def group_errors(device: str, dtypes, B: int = 3) -> dict[str, float]:
+    """The table kernel (gram_sq_norms.launch_group) on every case at one batch size in one call, two cases
+    twice (two contractions of one signature in one launch), one with misaligned operands (launched apart from
+    its aligned twin) and, in a 16-bit call, an fp32 pair: each contraction's relative error against fp64,
+    and under "columns" the largest difference between its block of the output and gram_sq_norms.launch's
+    partial sums of the same contraction (0: the same programs wrote them)."""
+    from dpcompile import gram_sq_norms
+
+    torch.manual_seed(1)
+    worst = {}
+    for dt in dtypes:
+        pairs = [(operand(B, S, p, layout, device), operand(B, S, m, layout, device))
+                 for _, S, p, m, layout in CASES]
+        pairs += [pairs[1], (operand(B, 40, 70, "contiguous", device), operand(B, 40, 33, "contiguous", device)),
+                  (misaligned(B, 40, 70, device), misaligned(B, 40, 33, device))]
+        pairs = [(a.to(dt), g.to(dt)) for a, g in pairs]
+        if dt != torch.float32:  # another dtype in the same call: a launch of its own
+            pairs.append((operand(B, 7, 5, "contiguous", device), operand(B, 7, 9, "contiguous", device)))
+        out = gram_sq_norms.launch_group([a for a, _ in pairs], [g for _, g in pairs])
+        col, columns = 0, 0.0
+        for i, (a, g) in enumerate(pairs):
+            alone = gram_sq_norms.launch(a, g)
+            block = out[:, col:col + alone.shape[1]]
+            col += alone.shape[1]
+            columns = max(columns, float((block - alone).abs().max()))
+            ref = torch.bmm(a.double().transpose(1, 2), g.double()).square().flatten(1).sum(1)
+            worst[f"group{i}:{str(dt).split('.')[-1]}"] = float(((block.sum(1).double() - ref).abs() / ref).max())
+        assert col == out.shape[1], (col, out.shape)
+        worst[f"columns:{str(dt).split('.')[-1]}"] = columns
+    return worst
+
+
 if __name__ == "__main__":
     from dpcompile import gram_sq_norms
 
     dtypes = [torch.float32, torch.float16]
-    print(json.dumps({**errors(gram_sq_norms.launch, "cpu", dtypes), **split_errors("cpu", dtypes)}))
+    print(json.dumps({**errors(gram_sq_norms.launch, "cpu", dtypes), **split_errors("cpu", dtypes),
+                      **group_errors("cpu", dtypes)}))

@@ -384,6 +384,10 @@ def test_cuda_gram_norm_kernel_matches_per_sample_gradient_norms():
     worst = {**gram_kernel_check.errors(gram_sq_norms.launch, "cuda", dtypes),
              **gram_kernel_check.split_errors("cuda", dtypes)}
     assert len(worst) == 2 * 3 * len(gram_kernel_check.CASES) and max(worst.values()) < 1e-4, worst
+    # many contractions in one call, through the table kernel: its blocks the one-contraction kernel's bits
+    grouped = gram_kernel_check.group_errors("cuda", dtypes)
+    assert all(grouped[f"columns:{str(dt).split('.')[-1]}"] == 0 for dt in dtypes), grouped
+    assert max(grouped.values()) < 1e-4, grouped
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -479,3 +483,27 @@ def test_cuda_precompiled_kernel_is_the_one_launched():
     assert any(d is compiled for d in direct for compiled in cache.values())
     expected = torch.einsum("bsp,btp,bsm,btm->b", a.double(), a.double(), g.double(), g.double())
     torch.testing.assert_close(out.sum(1).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_precompiled_table_kernel_is_the_one_launched():
+    """The same for bk's grouped Gram norms (dpcompile::gram_sq_norms_group): the table kernel compiled ahead from
+    the op's fake operands is the one its launch takes, and the grouped sums are the one-contraction kernel's."""
+    from dpcompile import gram_sq_norms, kernel_plans, precompile, triton_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pairs = [(torch.randn(3, 45, w, device="cuda", generator=gen), torch.randn(3, 45, 93, device="cuda", generator=gen))
+             for w in (41, 41)]  # widths no other test uses; one signature, one launch
+    graph = precompile.op_graph(torch.ops.dpcompile.gram_sq_norms_group.default, *[t for p in pairs for t in p],
+                                arrange=lambda n: ([n[0], n[2]], [n[1], n[3]]))
+    launches = precompile.recorded_launches([graph])
+    assert len(launches) == 1 and launches[0][0] is triton_kernels.gram_sq_norms_table_kernel, launches
+    cache = triton_kernels.gram_sq_norms_table_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    assert kernel_plans.precompile(launches) == 1
+    kernel_plans.wait_for_precompiles()
+    assert len(cache) == before + 1
+    out = gram_sq_norms.launch_group([a for a, _ in pairs], [g for _, g in pairs])
+    torch.cuda.synchronize()
+    assert len(cache) == before + 1
+    alone = torch.cat([gram_sq_norms.launch(a, g) for a, g in pairs], 1)
+    torch.testing.assert_close(out, alone, rtol=0, atol=0)

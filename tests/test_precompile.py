@@ -44,6 +44,12 @@ CASES = {
     "gram_split_bf16": lambda: ((torch.zeros(2, 8, 24, dtype=torch.bfloat16),
                                  torch.zeros(2, 8, 3 * gram_sq_norms.SPLIT_K - 5, dtype=torch.bfloat16)), (),
                                 ops.gram_sq_norms.default, lambda a, g: gram_sq_norms.launch(a, g)),
+    # bk's grouped Gram norms: two signatures (one of them twice), so two launches of the table kernel
+    "gram_group": lambda: ((torch.zeros(3, 40, 24), torch.zeros(3, 40, 16), torch.zeros(3, 40, 24),
+                            torch.zeros(3, 40, 16), torch.zeros(3, 9, 8, dtype=torch.bfloat16),
+                            torch.zeros(3, 9, 40, dtype=torch.bfloat16)), lambda n: (n[0::2], n[1::2]),
+                           ops.gram_sq_norms_group.default,
+                           lambda *t: gram_sq_norms.launch_group(list(t[0::2]), list(t[1::2]))),
     "conv": lambda: ((torch.zeros(2, 8, 4, 4), torch.zeros(2, 4, 8, 8)),
                      ([8, 2, 3, 3], [2, 2], [1, 1], [1, 1], 2, 1), ops.conv_weight_sq_norms.default,
                      lambda e, x: conv_sq_norms.launch(e, x, [8, 2, 3, 3], [2, 2], [1, 1], [1, 1], 2, 1)),

@@ -119,7 +119,14 @@ def _gram_launches(monkeypatch, dtype, wide=16):
     return _launches(monkeypatch, lambda: gram_sq_norms.launch(a, g))
 
 
+def _gram_table_launches(monkeypatch, dtype):
+    pairs = [(torch.zeros(2, 40, 24, dtype=dtype), torch.zeros(2, 40, 16, dtype=dtype)) for _ in range(2)]
+    return _launches(monkeypatch, lambda: gram_sq_norms.launch_group([a for a, _ in pairs], [g for _, g in pairs]))
+
+
 CASES = {
+    "gram_table_fp32": lambda mp: _gram_table_launches(mp, torch.float32),
+    "gram_table_bf16": lambda mp: _gram_table_launches(mp, torch.bfloat16),
     "randn": lambda mp: _launches(mp, lambda: randn.launch(torch.tensor([3], dtype=torch.int64), 0, 10000)),
     "add_randn_table": lambda mp: _add_randn_launches(mp, per_tensor=False),
     "add_randn_per_tensor": lambda mp: _add_randn_launches(mp, per_tensor=True),

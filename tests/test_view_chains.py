@@ -124,6 +124,8 @@ def test_an_unbacked_step_reads_its_gram_operands_as_views_of_their_values(tmp_p
     code = bw.read_text()
     defined = dict(re.findall(r"^\s*(\w+): \"[^\"]*\" = torch\.ops\.(\S+?)\(", code, re.M))
     operands = [a for args in re.findall(r"gram_sq_norms\.default\((\w+), (\w+)\)", code) for a in args]
+    for lists in re.findall(r"gram_sq_norms_group\.default\((\[[^]]*\]), (\[[^]]*\])\)", code):  # bk: in one call
+        operands += [a for part in lists for a in re.findall(r"\w+", part)]
     assert len(operands) >= 2 * 4, code  # the blocks' four linears at least
     chains = [a for a in operands if defined.get(a, "").startswith(("aten.permute", "aten.reshape"))]
     if passes_off:

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dpcompile import gram_sq_norms as _gram_op  # noqa: F401  (defines the two ops)
 
 from .context import DPPassContext
-from .inplace_row_masks import _VIEWS, _buffer_readers, storage_root
+from .inplace_row_masks import _MAY_SHARE_STORAGE, _VIEWS, _buffer_readers, storage_root
 
 aten = torch.ops.aten
 
@@ -40,9 +40,49 @@ def _buffer(x: fx.Node) -> fx.Node:
     return x
 
 
+def _alias_root(x: fx.Node) -> fx.Node:
+    """The first node up x's chain of views and ops Inductor may turn into aliases (a clone it drops as a no-op):
+    every buffer x's storage may be, for the mutation check."""
+    while x.op == "call_function" and isinstance(x.target, torch._ops.OpOverload):
+        name = x.target.overloadpacket.__name__
+        if name in _MAY_SHARE_STORAGE:
+            i = _MAY_SHARE_STORAGE[name]
+            src = x.args[0][0] if i is None else x.args[i]
+        elif x.target.is_view:
+            src = x.args[0]
+        else:
+            break
+        if not isinstance(src, fx.Node):
+            break
+        x = src
+    return x
+
+
+def _may_alias(n: fx.Node) -> bool:
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+        (n.target.is_view or n.target.overloadpacket.__name__ in _MAY_SHARE_STORAGE)
+
+
 def _mutates(n: fx.Node) -> bool:
     return n.op == "call_function" and (not isinstance(n.target, torch._ops.OpOverload)
                                         or n.target._schema.is_mutable)
+
+
+def _mutators(x: fx.Node) -> list[fx.Node]:
+    """The nodes that may mutate x's storage: mutable ops (and ops of unknown effect) that read x or a node
+    that may alias it, up and down chains of views and possible no-ops."""
+    root = _alias_root(x)
+    found, stack, seen = [], [root], {root}
+    while stack:
+        for u in stack.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if _mutates(u):
+                found.append(u)
+            elif _may_alias(u):
+                stack.append(u)
+    return found
 
 
 def _may_wait(call: fx.Node, at: int, last: fx.Node, index: dict[fx.Node, int]) -> bool:
@@ -56,8 +96,9 @@ def _may_wait(call: fx.Node, at: int, last: fx.Node, index: dict[fx.Node, int]) 
             and statically_known_true(la.shape[0] == lg.shape[0])):
         return False
     for operand in (a, g):
-        readers = _buffer_readers(_buffer(operand))
-        if not any(index[r] > at for r in readers) or any(here < index[r] <= at and _mutates(r) for r in readers):
+        if not any(index[r] > at for r in _buffer_readers(_buffer(operand))):
+            return False
+        if any(here < index[m] <= at for m in _mutators(operand)):
             return False
     return True
 

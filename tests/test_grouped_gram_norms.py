@@ -23,8 +23,8 @@ def _step(a1, g1, a2, g2, a3, g3, a4, g4, a5, g5, keep):
     p2 = ops.gram_sq_norms(t2, g2)  # t2 would live longer: stays
     p3 = ops.gram_sq_norms(a3, g3)
     early = p3.sum()  # its sums read before the last call: stays
-    p5 = ops.gram_sq_norms(a5, g5)
-    ops.zero_rows_([g5], [keep], [0])  # g5 mutated before the last call: p5 stays
+    p5 = ops.gram_sq_norms(a5, g5.view(3, 5, 6))
+    ops.zero_rows_([g5], [keep], [0])  # its operand's base mutated before the last call: p5 stays
     p4 = ops.gram_sq_norms(a4, g4)  # the last call
     late = [x + 1 for x in (a1, g1, g2, a3, g3, a5, g5)]
     return p1.sum(1) + p2.sum(1) + p4.sum(1) + p5.sum(1) + early, *late

@@ -77,8 +77,10 @@ def _arg_type(value) -> str:
     raise AssertionError(f"no Triton type for a launch argument {value!r}")
 
 
-def _compile(fn: JITFunction, args: tuple, kwargs: dict, **overrides):
-    """Triton's CUDA compile of one recorded launch, for sm_90: source -> ttir -> ttgir -> llir -> ptx -> cubin."""
+def _compile(fn: JITFunction, args: tuple, kwargs: dict, specialise: bool = False, **overrides):
+    """Triton's CUDA compile of one recorded launch, for sm_90: source -> ttir -> ttgir -> llir -> ptx -> cubin.
+    specialise: as Triton's launcher specialises a real launch (pointers 16-byte aligned, an integer 1 a
+    constant, a multiple of 16 known to be one)."""
     name = fn.__name__
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
     bound = dict(zip(fn.arg_names, args))
@@ -88,15 +90,18 @@ def _compile(fn: JITFunction, args: tuple, kwargs: dict, **overrides):
         if p.name not in bound and p.default is not inspect.Parameter.empty:
             bound[p.name] = p.default
     assert set(bound) == set(fn.arg_names), (name, sorted(set(fn.arg_names) ^ set(bound)))
-    signature, constexprs = {}, {}
-    for p in fn.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
         value = bound[p.name]
-        if p.is_constexpr:
+        if p.is_constexpr or (specialise and isinstance(value, int) and not isinstance(value, bool) and value == 1):
             signature[p.name] = "constexpr"
             constexprs[p.name] = value
         else:
             signature[p.name] = _arg_type(value)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+            if specialise and (isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0)):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
     assert compiled.asm.get("cubin"), f"{name}: no cubin"
     return compiled
 
@@ -151,6 +156,27 @@ def test_launched_kernels_compile_for_sm90(case, monkeypatch):
             _compile(_kernels()[name], args, kwargs, PRECISION="tf32")
         if name == "add_randn_kernel":  # the special-function-unit transform benchmarks/noise_kernel.py times
             _compile(_kernels()[name], args, kwargs, APPROX=True)
+
+
+def test_table_gram_kernel_loads_operands_as_wide_as_the_one_contraction_kernel(monkeypatch):
+    """The table kernel reads its operands' addresses from memory, which tells Triton nothing of their alignment:
+    with ALIGNED it asserts 16 bytes (tl.multiple_of) and its loads are the one-contraction kernel's (16-byte
+    asynchronous copies into shared memory); without, they are scalar. GPT-2's MLP in bf16."""
+    import re
+
+    a, g = torch.zeros(2, 256, 768, dtype=torch.bfloat16), torch.zeros(2, 256, 3072, dtype=torch.bfloat16)
+
+    def wide_copies(ptx: str) -> int:
+        return len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))  # .cg: 16-byte copies only
+
+    (single,) = _launches(monkeypatch, lambda: gram_sq_norms.launch(a, g))
+    (table,) = _launches(monkeypatch, lambda: gram_sq_norms.launch_group([a, a], [g, g]))
+    assert table[2]["ALIGNED"], table
+    want = wide_copies(_compile(_kernels()[single[0]], single[1], single[2], specialise=True).asm["ptx"])
+    assert want > 0
+    kernel = _kernels()[table[0]]
+    assert wide_copies(_compile(kernel, table[1], table[2], specialise=True).asm["ptx"]) == want
+    assert wide_copies(_compile(kernel, table[1], table[2], specialise=True, ALIGNED=False).asm["ptx"]) == 0
 
 
 def test_every_kernel_has_a_compile_case(monkeypatch):

@@ -76,6 +76,10 @@ may be 0 as "not channels-last", so fake and real outputs disagreed (``size_obli
 unbacked size taken as nonzero there); torch 2.11's fake ``convolution_backward`` lays its gradients out as
 the output gradient where its kernels follow the input (``conv_backward_layout_as_input``: torch 2.13's rule).
 
+torch's CPU lowering of ``bmm`` decides whether to copy an operand by comparing its fake sizes and strides,
+which raises on an unbacked batch among them (XLNet's sequence-first attention, sharded through Inductor):
+``hint_cpu_bmm_layouts`` answers that speed choice at the batch's hint.
+
 Inductor's reshape indexing of a view it cannot take by strides settles an equality of sizes with an
 unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s head split asserted that the
 batch is 1 (``reshape_indexer_refuses_unbacked_guesses``: such an equality makes the indexer take its
@@ -260,6 +264,74 @@ def hint_kernel_size_hints() -> None:
     """On a torch whose Triton codegen hints every unbacked kernel dim as 8192, hint it as newer torch does."""
     _hinted_where_torch_is_older("torch._inductor.codegen.triton", "TritonKernel", "codegen_kernel",
                                  ("size_hint = 8192", "symbolic_hint(numel)"), "symbolic_hint")
+
+
+class _HintedLayout:
+    """Sizes and strides at their hints, standing in for a fake value where only those two are read."""
+
+    def __init__(self, sizes: tuple[int, ...], strides: tuple[int, ...]) -> None:
+        self._sizes, self._strides = sizes, strides
+
+    def size(self) -> tuple[int, ...]:
+        return self._sizes
+
+    def stride(self) -> tuple[int, ...]:
+        return self._strides
+
+
+def hint_cpu_bmm_layouts() -> None:
+    """torch's CPU lowering of bmm (``kernel/bmm.py``, ``tuned_bmm``) copies an operand that is contiguous on
+    neither of its last two dims, and decides that from the FX node's fake value by comparing its sizes and
+    strides: with an unbacked batch size among them (XLNet's attention, sharded: ``16*Max(1, u0) >= 8``) the
+    comparison raises GuardOnDataDependentSymNode and the compile fails. Around that lowering, an operand whose
+    fake value has unbacked sizes or strides is stood in for by them at Inductor's optimization hints (the
+    sharded batch's hint): the copy is a speed choice, exact either way. Nothing where the lowering does not
+    read the fake values (other torch versions)."""
+    if "cpu_bmm_layouts" in _hinted:
+        return
+    _hinted.add("cpu_bmm_layouts")
+    import torch
+
+    try:
+        from torch._inductor.kernel import bmm as bmm_module
+        from torch._inductor.lowering import lowerings
+        source = inspect.getsource(bmm_module.tuned_bmm)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return
+    if "is_preferred_layout_as_bmm_input" not in source or "current_node.args" not in source:
+        return
+
+    def wrap(original):
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        def lowered(*args, **kwargs):
+            import torch.fx
+            from torch._inductor.virtualized import V
+
+            node = V.graph.current_node
+            swapped = []
+            try:
+                for a in node.args[:2] if node is not None else ():
+                    val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+                    if isinstance(val, torch.Tensor) and free_unbacked_symbols((*val.shape, *val.stride())):
+                        hint = V.graph.sizevars.optimization_hint
+                        swapped.append((a, val))
+                        a.meta["val"] = _HintedLayout(tuple(hint(_expr(s)) for s in val.shape),
+                                                      tuple(hint(_expr(s)) for s in val.stride()))
+                return original(*args, **kwargs)
+            finally:
+                for a, val in swapped:
+                    a.meta["val"] = val
+        return lowered
+
+    _wrap_entry_once(lowerings, torch.ops.aten.bmm.default, wrap)
+
+
+def _expr(size):
+    """A size as sympy (a SymInt's expression) or an int."""
+    import torch
+
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def hint_fusion_scores(*, force: bool = False) -> None:

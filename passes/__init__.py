@@ -21,6 +21,7 @@ from .comm_overlap import comm_overlap_pass
 from .conv_backward_split import conv_backward_split_pass
 from .context import DPPassContext, ParamInfo, PassOptions
 from .empty_batch import empty_batch_pass
+from .empty_conv_grads import empty_conv_grads_pass
 from .fsdp_reshard import fsdp_reshard_pass
 from .grouped_gram_norms import grouped_gram_norms_pass
 from .inplace_row_masks import inplace_row_masks_pass
@@ -83,6 +84,8 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     Pass("inplace_row_masks", inplace_row_masks_pass, optional=True),
     # bk's Gram norms where the last one is, one launch per signature: these steps are launch-bound
     Pass("grouped_gram_norms", grouped_gram_norms_pass, optional=True),
+    # a rank with no samples: convolution weight gradients (zeros) laid out as traced
+    Pass("empty_conv_grads", empty_conv_grads_pass),
     # again after the partition and the passes above, which place nodes of their own
     Pass("backward_wait_order", wait_order_pass),
 )

@@ -1,7 +1,9 @@
 """The fixes dpcompile adds to older torch releases."""
 import inspect
+import types
 
 import pytest
+import torch
 
 import dpcompile
 from dpcompile.compat import (guard_empty_y_grid, hint_fusion_scores, hint_kernel_size_hints, hint_mix_order_split,
@@ -738,3 +740,43 @@ def _compiled_matches_eager_for_unbacked_batches(loss, w, backend: str, device: 
         want = loss(x)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])
+
+
+def test_cpu_bmm_lowering_reads_hinted_layouts_of_unbacked_operands(monkeypatch):
+    """torch's CPU bmm lowering compares an operand's fake sizes and strides to decide a copy, which raised on an
+    unbacked batch among them (XLNet sharded through Inductor: ``16*Max(1, u0) >= 8``; the sharded zoo run is
+    the end-to-end check). hint_cpu_bmm_layouts' wrapper: during the lowering such an operand's fake value reads
+    as its sizes and strides at Inductor's hints, a static one as itself, and both are theirs again after."""
+    import torch.fx as fx
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dpcompile import compat
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        u0 = env.create_unbacked_symint()
+        batched = torch.empty_strided((2 * u0, 6, 8), (8, 16 * u0, 1))
+        static = torch.empty(4, 8, 6)
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    a.meta["val"], b.meta["val"] = batched, static
+    node = graph.call_function(torch.ops.aten.bmm.default, (a, b))
+    seen = []
+
+    def lowering(mat1, mat2):  # what torch's reads: the current node's arguments' fake values
+        seen.append([(tuple(n.meta["val"].size()), tuple(n.meta["val"].stride())) for n in V.graph.current_node.args])
+        return "lowered"
+
+    lowering_table = {torch.ops.aten.bmm.default: lowering}
+    monkeypatch.setattr(compat.inspect, "getsource", lambda fn: "is_preferred_layout_as_bmm_input current_node.args")
+    monkeypatch.setattr("torch._inductor.lowering.lowerings", lowering_table)
+    monkeypatch.setattr(compat, "_hinted", set())
+    compat.hint_cpu_bmm_layouts()
+    handler = types.SimpleNamespace(current_node=node, sizevars=types.SimpleNamespace(
+        optimization_hint=lambda e: int(e.subs(u0.node.expr, 3)) if hasattr(e, "subs") else int(e)))
+    with V.set_graph_handler(handler):
+        assert lowering_table[torch.ops.aten.bmm.default]("m1", "m2") == "lowered"
+    assert seen == [[((6, 6, 8), (8, 48, 1)), ((4, 8, 6), (48, 6, 1))]], seen
+    assert a.meta["val"] is batched and b.meta["val"] is static

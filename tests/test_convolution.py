@@ -215,8 +215,11 @@ def test_bk_makes_clipped_conv_gradients_from_kept_per_sample_gradients(layout, 
     assert "keeps" not in params["b.weight"]["why"] and params["b.weight"]["schedule"] == "deferred (bk)"
     ops = [op for op, _ in rec.ops["backward"]]
     assert ops.count("dpcompile.conv_weight_grads.default") == 3, ops
-    # the input gradients of all but a (x needs none), and one weight gradient: b's, deferred
-    assert ops.count("aten.convolution_backward.default") == 5 + 1, ops
+    # the input gradients of all but a (x needs none), and one weight gradient: b's, deferred; channels-last
+    # with an unbacked batch, laid out as traced on an empty batch too (passes.empty_conv_grads)
+    guarded = int(layout == "channels_last" and batch == "unbacked")
+    assert ops.count("aten.convolution_backward.default") == 5 + 1 - guarded, ops
+    assert ops.count("dpcompile.convolution_backward_any_batch.default") == guarded, ops
     ghost = check_against_reference(KeptGradients(), M.mse, (x,), (y,), schedule="ghost", compiler="eager",
                                     conv_norm="direct")
     (rec,) = [r for r in ghost.compiled if r.dp]

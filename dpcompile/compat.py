@@ -78,7 +78,7 @@ the output gradient where its kernels follow the input (``conv_backward_layout_a
 
 torch's CPU lowering of ``bmm`` decides whether to copy an operand by comparing its fake sizes and strides,
 which raises on an unbacked batch among them (XLNet's sequence-first attention, sharded through Inductor):
-``hint_cpu_bmm_layouts`` answers that speed choice at the batch's hint.
+``hint_cpu_bmm_layouts`` makes such an operand contiguous first, so the lowering asks nothing of it.
 
 Inductor's reshape indexing of a view it cannot take by strides settles an equality of sizes with an
 unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s head split asserted that the
@@ -266,27 +266,15 @@ def hint_kernel_size_hints() -> None:
                                  ("size_hint = 8192", "symbolic_hint(numel)"), "symbolic_hint")
 
 
-class _HintedLayout:
-    """Sizes and strides at their hints, standing in for a fake value where only those two are read."""
-
-    def __init__(self, sizes: tuple[int, ...], strides: tuple[int, ...]) -> None:
-        self._sizes, self._strides = sizes, strides
-
-    def size(self) -> tuple[int, ...]:
-        return self._sizes
-
-    def stride(self) -> tuple[int, ...]:
-        return self._strides
-
-
 def hint_cpu_bmm_layouts() -> None:
     """torch's CPU lowering of bmm (``kernel/bmm.py``, ``tuned_bmm``) copies an operand that is contiguous on
-    neither of its last two dims, and decides that from the FX node's fake value by comparing its sizes and
-    strides: with an unbacked batch size among them (XLNet's attention, sharded: ``16*Max(1, u0) >= 8``) the
-    comparison raises GuardOnDataDependentSymNode and the compile fails. Around that lowering, an operand whose
-    fake value has unbacked sizes or strides is stood in for by them at Inductor's optimization hints (the
-    sharded batch's hint): the copy is a speed choice, exact either way. Nothing where the lowering does not
-    read the fake values (other torch versions)."""
+    neither of its last two dims, and decides that, for an operand whose layout is not fixed yet, from the FX
+    node's fake value by comparing its sizes and strides: with an unbacked batch size among them (XLNet's
+    attention, sharded: ``16*Max(1, u0) >= 8``) the comparison raises GuardOnDataDependentSymNode and the compile
+    fails. Such an operand is made contiguous before the lowering instead (a copy where it is not: what the
+    lowering would choose for most layouts), which fixes its layout, and the lowering asks nothing of it. The
+    copy is exact; CPU only, where the question is asked. Nothing where the lowering does not ask (other torch
+    versions)."""
     if "cpu_bmm_layouts" in _hinted:
         return
     _hinted.add("cpu_bmm_layouts")
@@ -304,34 +292,22 @@ def hint_cpu_bmm_layouts() -> None:
     def wrap(original):
         from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-        def lowered(*args, **kwargs):
+        def lowered(mat1, mat2, *args, **kwargs):
             import torch.fx
+            from torch._inductor import ir
             from torch._inductor.virtualized import V
 
             node = V.graph.current_node
-            swapped = []
-            try:
-                for a in node.args[:2] if node is not None else ():
+            mats = [mat1, mat2]
+            if node is not None and all(m.get_device().type == "cpu" for m in mats):
+                for i, a in enumerate(node.args[:2]):
                     val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
                     if isinstance(val, torch.Tensor) and free_unbacked_symbols((*val.shape, *val.stride())):
-                        hint = V.graph.sizevars.optimization_hint
-                        swapped.append((a, val))
-                        a.meta["val"] = _HintedLayout(tuple(hint(_expr(s)) for s in val.shape),
-                                                      tuple(hint(_expr(s)) for s in val.stride()))
-                return original(*args, **kwargs)
-            finally:
-                for a, val in swapped:
-                    a.meta["val"] = val
+                        mats[i] = ir.ExternKernel.require_contiguous(mats[i])
+            return original(*mats, *args, **kwargs)
         return lowered
 
     _wrap_entry_once(lowerings, torch.ops.aten.bmm.default, wrap)
-
-
-def _expr(size):
-    """A size as sympy (a SymInt's expression) or an int."""
-    import torch
-
-    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def hint_fusion_scores(*, force: bool = False) -> None:

@@ -742,12 +742,13 @@ def _compiled_matches_eager_for_unbacked_batches(loss, w, backend: str, device: 
         torch.testing.assert_close(g, torch.autograd.grad(want, [w])[0])
 
 
-def test_cpu_bmm_lowering_reads_hinted_layouts_of_unbacked_operands(monkeypatch):
+def test_cpu_bmm_lowering_gets_unbacked_operands_contiguous(monkeypatch):
     """torch's CPU bmm lowering compares an operand's fake sizes and strides to decide a copy, which raised on an
     unbacked batch among them (XLNet sharded through Inductor: ``16*Max(1, u0) >= 8``; the sharded zoo run is
-    the end-to-end check). hint_cpu_bmm_layouts' wrapper: during the lowering such an operand's fake value reads
-    as its sizes and strides at Inductor's hints, a static one as itself, and both are theirs again after."""
+    the end-to-end check). hint_cpu_bmm_layouts' wrapper hands it such an operand made contiguous (a fixed
+    layout, which it asks nothing of), and a static one as it is; a CUDA pair as they are."""
     import torch.fx as fx
+    from torch._inductor import ir
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -763,20 +764,26 @@ def test_cpu_bmm_lowering_reads_hinted_layouts_of_unbacked_operands(monkeypatch)
     a, b = graph.placeholder("a"), graph.placeholder("b")
     a.meta["val"], b.meta["val"] = batched, static
     node = graph.call_function(torch.ops.aten.bmm.default, (a, b))
-    seen = []
 
-    def lowering(mat1, mat2):  # what torch's reads: the current node's arguments' fake values
-        seen.append([(tuple(n.meta["val"].size()), tuple(n.meta["val"].stride())) for n in V.graph.current_node.args])
-        return "lowered"
+    class Operand:
+        def __init__(self, name, device="cpu"):
+            self.name, self.device = name, torch.device(device)
+
+        def get_device(self):
+            return self.device
+
+    def lowering(mat1, mat2):
+        return mat1, mat2
 
     lowering_table = {torch.ops.aten.bmm.default: lowering}
     monkeypatch.setattr(compat.inspect, "getsource", lambda fn: "is_preferred_layout_as_bmm_input current_node.args")
     monkeypatch.setattr("torch._inductor.lowering.lowerings", lowering_table)
     monkeypatch.setattr(compat, "_hinted", set())
+    monkeypatch.setattr(ir.ExternKernel, "require_contiguous", staticmethod(lambda x: Operand(x.name + "+contiguous",
+                                                                                             x.device.type)))
     compat.hint_cpu_bmm_layouts()
-    handler = types.SimpleNamespace(current_node=node, sizevars=types.SimpleNamespace(
-        optimization_hint=lambda e: int(e.subs(u0.node.expr, 3)) if hasattr(e, "subs") else int(e)))
-    with V.set_graph_handler(handler):
-        assert lowering_table[torch.ops.aten.bmm.default]("m1", "m2") == "lowered"
-    assert seen == [[((6, 6, 8), (8, 48, 1)), ((4, 8, 6), (48, 6, 1))]], seen
-    assert a.meta["val"] is batched and b.meta["val"] is static
+    with V.set_graph_handler(types.SimpleNamespace(current_node=node)):
+        m1, m2 = lowering_table[torch.ops.aten.bmm.default](Operand("m1"), Operand("m2"))
+        assert (m1.name, m2.name) == ("m1+contiguous", "m2")
+        m1, m2 = lowering_table[torch.ops.aten.bmm.default](Operand("m1", "cuda"), Operand("m2", "cuda"))
+        assert (m1.name, m2.name) == ("m1", "m2")

@@ -769,7 +769,7 @@ class DPBackend:
         hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
         hint_fusion_scores()  # ... and fuse its kernels as for a fixed batch of the hint's size
         hint_kernel_size_hints()  # ... and tune them for it
-        hint_cpu_bmm_layouts()  # ... and choose a CPU bmm's operand layouts at the hint, not raise
+        hint_cpu_bmm_layouts()  # ... and lower a CPU bmm of operands whose strides hold it, not raise
         reshape_indexer_refuses_unbacked_guesses()  # ... and index its reshapes for every batch size
         cpp_wrapper_any_args()  # a sharded graph's collectives under Inductor's C++ wrapper (torch 2.13)
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second

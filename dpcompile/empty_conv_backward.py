@@ -26,14 +26,19 @@ _LIB.define("convolution_backward_any_batch(Tensor grad_output, Tensor input, Te
             "SymInt groups, bool[3] output_mask, int weight_format) -> (Tensor?, Tensor?, Tensor?)")
 
 
-def convolution_backward_any_batch(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
-                                   output_padding, groups, output_mask, weight_format):
-    grads = aten.convolution_backward.default(grad_output, input, weight, bias_sizes, stride, padding, dilation,
-                                              transposed, output_padding, groups, output_mask)
+def _grads(args, weight_format: int, empty: bool) -> tuple:
+    """aten's three gradients, the weight's laid out as FORMATS[weight_format] where the batch is empty."""
+    grads = aten.convolution_backward.default(*args)
     fmt = FORMATS[weight_format]
-    if input.numel() == 0 and fmt is not None and grads[1] is not None:
+    if empty and fmt is not None and grads[1] is not None:
         return grads[0], grads[1].contiguous(memory_format=fmt), grads[2]
     return tuple(grads)
+
+
+def convolution_backward_any_batch(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                                   output_padding, groups, output_mask, weight_format):
+    return _grads((grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                   groups, output_mask), weight_format, input.numel() == 0)
 
 
 _LIB.impl("convolution_backward_any_batch", convolution_backward_any_batch, "CompositeExplicitAutograd")
@@ -44,13 +49,9 @@ def _(grad_output, input, weight, bias_sizes, stride, padding, dilation, transpo
       output_mask, weight_format):
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    grads = aten.convolution_backward.default(grad_output, input, weight, bias_sizes, stride, padding, dilation,
-                                              transposed, output_padding, groups, output_mask)
-    fmt = FORMATS[weight_format]
     # a batch known to be empty: the kernel's layout, as above; an unbacked one may be empty or not: as traced
-    if fmt is not None and grads[1] is not None and statically_known_true(input.numel() == 0):
-        return grads[0], grads[1].contiguous(memory_format=fmt), grads[2]
-    return tuple(grads)
+    return _grads((grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                   groups, output_mask), weight_format, statically_known_true(input.numel() == 0))
 
 
 def weight_format(grad_weight: torch.Tensor) -> int:

@@ -182,9 +182,9 @@ MAX_TABLE_ROWS = 65535  # a launch's grid dim 1
 def gram_sq_norms_group(a: list[torch.Tensor], g: list[torch.Tensor]) -> torch.Tensor:
     """a[k]: [B, S_k, p_k], g[k]: [B, S_k, m_k] (one B, one device). Returns [B, sum_k parts_k] fp32: the
     partial sums gram_sq_norms(a[k], g[k]) side by side, in the order of k."""
+    if a and a[0].device.type == "cuda":
+        return launch_group(a, g)  # (which checks them)
     _check_group(a, g)
-    if a[0].device.type == "cuda":
-        return launch_group(a, g)
     return torch.cat([_aten(x, y) for x, y in zip(a, g)], 1)
 
 

@@ -157,8 +157,8 @@ def gram_sq_norms_table_kernel(table_ptr, first, ref_ptr, out_stride, sa_b, sa_s
                                SPLITS: tl.constexpr, KS: tl.constexpr, BLOCK_S: tl.constexpr,
                                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ALIGNED: tl.constexpr):
     # Many contractions of one signature (shapes, strides, dtype) in one launch: program (pid, t) is program pid
-    # of gram_sq_norms_kernel on contraction t, whose table row (first + t) holds the addresses of its two operands and of
-    # its [B, parts] block of the output (rows out_stride apart; dpcompile.gram_sq_norms.TABLE_ENTRIES). ref_ptr
+    # of gram_sq_norms_kernel on contraction t, whose table row (first + t) holds the addresses of its two
+    # operands and of its [B, parts] block of the output (rows out_stride apart; gram_sq_norms.TABLE_ENTRIES). ref_ptr
     # only gives the operands' element type. ALIGNED: every operand address is a multiple of 16 bytes, as Triton
     # assumes of an aligned pointer argument (an address read from memory carries no such fact, and loads
     # without it are not vectorised).

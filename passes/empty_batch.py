@@ -46,11 +46,20 @@ def _resolve_inferred_size(node: fx.Node) -> bool:
     return True
 
 
-def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+def unbacked_batch(ctx: DPPassContext) -> sympy.Symbol | None:
+    """The batch size's symbol where one graph serves every batch size (possibly none); None for a concrete one
+    (the graph was built for it)."""
     B = ctx.batch_size
     if not isinstance(B, torch.SymInt) or not isinstance(B.node.expr, sympy.Symbol):
-        return gm  # a concrete batch size: the graph was built for it
-    b = B.node.expr
+        return None
+    return B.node.expr
+
+
+def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
+    b = unbacked_batch(ctx)
+    if b is None:
+        return gm
+    B = ctx.batch_size
     # Inductor emits the shape environment's deferred runtime asserts for an
     # unbacked symbol wherever it is bound, whatever the graph holds; drop them
     # there too (they are also axioms there: without them the simplifier proves
@@ -67,14 +76,14 @@ def empty_batch_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
             ctx.counters["nonempty_batch_views_resolved"] += 1
     # torch's CPU Fourier transforms raise on an empty input (dpcompile.empty_fft)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in ON_ANY_BATCH and _holds(node.args[0], b):
+        if node.op == "call_function" and node.target in ON_ANY_BATCH and holds_batch(node.args[0], b):
             node.target = ON_ANY_BATCH[node.target]
             ctx.counters["nonempty_batch_transforms_guarded"] += 1
     gm.graph.eliminate_dead_code()
     return gm
 
 
-def _holds(x, b: sympy.Symbol) -> bool:
+def holds_batch(x, b: sympy.Symbol) -> bool:
     """x's shape depends on the batch size b."""
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     return isinstance(val, torch.Tensor) and any(

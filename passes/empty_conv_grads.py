@@ -9,29 +9,26 @@ Counter: ``nonempty_batch_conv_grads_guarded``.
 """
 from __future__ import annotations
 
-import sympy
 import torch
 import torch.fx as fx
 
 from dpcompile import empty_conv_backward
 
 from .context import DPPassContext
+from .empty_batch import holds_batch, unbacked_batch
 
 aten = torch.ops.aten
 
 
 def empty_conv_grads_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
-    B = ctx.batch_size
-    if not isinstance(B, torch.SymInt) or not isinstance(B.node.expr, sympy.Symbol):
+    b = unbacked_batch(ctx)
+    if b is None:
         return gm  # a concrete batch size: never empty unless traced so
-    b = B.node.expr
     changed = 0
     for node in gm.graph.find_nodes(op="call_function", target=aten.convolution_backward.default):
-        val, x = node.meta.get("val"), node.args[1]
-        x_val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        val = node.meta.get("val")
         if not isinstance(val, (tuple, list)) or not isinstance(val[1], torch.Tensor) or \
-                not isinstance(x_val, torch.Tensor) or \
-                not any(isinstance(s, torch.SymInt) and b in s.node.expr.free_symbols for s in x_val.shape):
+                not holds_batch(node.args[1], b):
             continue
         fmt = empty_conv_backward.weight_format(val[1])
         if not fmt:

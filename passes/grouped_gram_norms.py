@@ -40,27 +40,27 @@ def _buffer(x: fx.Node) -> fx.Node:
     return x
 
 
+def _alias_source(n: fx.Node) -> fx.Node | None:
+    """The input n's output may share storage with: a view's, or what Inductor may turn into an alias of its
+    input (a clone it drops as a no-op); None for any other node."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    name = n.target.overloadpacket.__name__
+    if name in _MAY_SHARE_STORAGE:
+        i = _MAY_SHARE_STORAGE[name]
+        src = n.args[0][0] if i is None else n.args[i]
+    elif n.target.is_view:
+        src = n.args[0]
+    else:
+        return None
+    return src if isinstance(src, fx.Node) else None
+
+
 def _alias_root(x: fx.Node) -> fx.Node:
-    """The first node up x's chain of views and ops Inductor may turn into aliases (a clone it drops as a no-op):
-    every buffer x's storage may be, for the mutation check."""
-    while x.op == "call_function" and isinstance(x.target, torch._ops.OpOverload):
-        name = x.target.overloadpacket.__name__
-        if name in _MAY_SHARE_STORAGE:
-            i = _MAY_SHARE_STORAGE[name]
-            src = x.args[0][0] if i is None else x.args[i]
-        elif x.target.is_view:
-            src = x.args[0]
-        else:
-            break
-        if not isinstance(src, fx.Node):
-            break
+    """The first node up x's chain of possible aliases: every buffer x's storage may be, for the mutation check."""
+    while (src := _alias_source(x)) is not None:
         x = src
     return x
-
-
-def _may_alias(n: fx.Node) -> bool:
-    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
-        (n.target.is_view or n.target.overloadpacket.__name__ in _MAY_SHARE_STORAGE)
 
 
 def _mutates(n: fx.Node) -> bool:
@@ -80,7 +80,7 @@ def _mutators(x: fx.Node) -> list[fx.Node]:
             seen.add(u)
             if _mutates(u):
                 found.append(u)
-            elif _may_alias(u):
+            elif _alias_source(u) is not None:
                 stack.append(u)
     return found
 
@@ -91,9 +91,9 @@ def _may_wait(call: fx.Node, at: int, last: fx.Node, index: dict[fx.Node, int]) 
     if any(index[u] <= at for u in call.users):
         return False
     a, g = call.args[0], call.args[1]
-    la, lg = a.meta.get("val"), last.args[0].meta.get("val")
-    if not (isinstance(la, torch.Tensor) and isinstance(lg, torch.Tensor) and la.device == lg.device
-            and statically_known_true(la.shape[0] == lg.shape[0])):
+    mine, theirs = a.meta.get("val"), last.args[0].meta.get("val")  # one batch and device in a group
+    if not (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and mine.device == theirs.device
+            and statically_known_true(mine.shape[0] == theirs.shape[0])):
         return False
     for operand in (a, g):
         if not any(index[r] > at for r in _buffer_readers(_buffer(operand))):

@@ -27,9 +27,9 @@ from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, stable_mesh_keys)
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, decompositions_for_one_sample,
-                              guard_empty_y_grid, hint_cpu_bmm_layouts, hint_fusion_scores, hint_kernel_size_hints,
-                              install_hf_shims, hint_mix_order_split, reshape_indexer_refuses_unbacked_guesses,
-                              rng_states_before_saved_objects)
+                              expand_unbacked_vec_indices, guard_empty_y_grid, hint_cpu_bmm_layouts,
+                              hint_fusion_scores, hint_kernel_size_hints, install_hf_shims, hint_mix_order_split,
+                              reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
 from dpcompile.bucketing import cpp_wrapper_patches
@@ -770,6 +770,7 @@ class DPBackend:
         hint_fusion_scores()  # ... and fuse its kernels as for a fixed batch of the hint's size
         hint_kernel_size_hints()  # ... and tune them for it
         hint_cpu_bmm_layouts()  # ... and lower a CPU bmm of operands whose strides hold it, not raise
+        expand_unbacked_vec_indices()  # ... and vectorise its CPU kernels in linear time
         reshape_indexer_refuses_unbacked_guesses()  # ... and index its reshapes for every batch size
         cpp_wrapper_any_args()  # a sharded graph's collectives under Inductor's C++ wrapper (torch 2.13)
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second

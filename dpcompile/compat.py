@@ -80,6 +80,10 @@ torch's CPU lowering of ``bmm`` decides whether to copy an operand by comparing 
 which raises on an unbacked batch among them (XLNet's sequence-first attention, sharded through Inductor):
 ``hint_cpu_bmm_layouts`` makes such an operand contiguous first, so the lowering asks nothing of it.
 
+Inductor's C++ vector codegen simplifies every index with ``sympy.simplify`` to find its strides, which ran
+for more than ten minutes on one index of Funnel's with an unbacked batch size in it
+(``expand_unbacked_vec_indices``: such an index is expanded instead, the same value found in linear time).
+
 Inductor's reshape indexing of a view it cannot take by strides settles an equality of sizes with an
 unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s head split asserted that the
 batch is 1 (``reshape_indexer_refuses_unbacked_guesses``: such an equality makes the indexer take its
@@ -308,6 +312,56 @@ def hint_cpu_bmm_layouts() -> None:
         return lowered
 
     _wrap_entry_once(lowerings, torch.ops.aten.bmm.default, wrap)
+
+
+def expand_unbacked_vec_indices() -> None:
+    """Inductor's C++ vector codegen asks, of every index a kernel reads or writes, its stride along a loop
+    variable (``sizevars.stride_at_vec_range``: ``simplify_index_in_vec_range``, then ``stride_at``), and
+    settles both with ``sympy.simplify``, which rebuilds every nested function of the index and recurses into
+    its arguments. With an unbacked batch size in the index (Funnel's pooled relative attention, sharded) it
+    ran for more than ten minutes on one kernel. For an index with an unbacked symbol the two simplify with
+    ``sympy.expand`` instead: the same value (any expression equal to the stride is what the callers may
+    print), found in time linear in the index; where expand leaves a stride that is 0 or 1 unrecognised,
+    the codegen loads by gather instead of a contiguous vector (slower, exact). Other indices: unchanged."""
+    if "unbacked_vec_indices" in _hinted:
+        return
+    _hinted.add("unbacked_vec_indices")
+    try:
+        from torch._inductor import sizevars
+    except ImportError:
+        return
+
+    def wrap(original):
+        import sympy
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        try:
+            source = inspect.getsource(original)
+        except (OSError, TypeError):
+            return None
+        if "sympy.simplify(" not in source:
+            return None
+
+        def expanded(index, var, *args):
+            if not free_unbacked_symbols(index):
+                return original(index, var, *args)
+            with _sympy_simplify_as(sympy, sympy.expand):
+                return original(index, var, *args)
+        return expanded
+
+    _wrap_once(sizevars, "simplify_index_in_vec_range", wrap)
+    _wrap_once(sizevars, "stride_at", wrap)
+
+
+@contextlib.contextmanager
+def _sympy_simplify_as(sympy, fn):
+    """sympy.simplify is fn within the block (the torch functions above call it by that attribute)."""
+    original = sympy.simplify
+    sympy.simplify = fn
+    try:
+        yield
+    finally:
+        sympy.simplify = original
 
 
 def hint_fusion_scores(*, force: bool = False) -> None:

@@ -787,3 +787,53 @@ def test_cpu_bmm_lowering_gets_unbacked_operands_contiguous(monkeypatch):
         assert (m1.name, m2.name) == ("m1+contiguous", "m2")
         m1, m2 = lowering_table[torch.ops.aten.bmm.default](Operand("m1", "cuda"), Operand("m2", "cuda"))
         assert (m1.name, m2.name) == ("m1", "m2")
+
+
+def test_cpu_vector_strides_of_an_unbacked_index_are_expanded_not_simplified(monkeypatch):
+    """Inductor's C++ vector codegen finds an index's stride along a loop variable with sympy.simplify, which ran
+    for more than ten minutes on one of Funnel's indices with an unbacked batch size (the sharded zoo run is
+    the end-to-end check). expand_unbacked_vec_indices: such an index's stride is found without sympy.simplify
+    and has the value sympy.simplify's has at every point; an index without unbacked symbols still goes through
+    sympy.simplify."""
+    import sympy
+    from torch._inductor import sizevars
+    from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+    from torch.utils._sympy.symbol import SymT, make_symbol
+
+    from dpcompile import compat
+
+    x = sympy.Symbol("d3", integer=True, nonnegative=True)
+    u0 = make_symbol(SymT.UNBACKED_INT, 0, integer=True, nonnegative=True)
+    s0 = make_symbol(SymT.SIZE, 0, integer=True, positive=True)
+
+    def index(n):
+        return ModularIndexing(FloorDiv(x, 32) + n * x, 1, 5) + 16 * x * n + n * FloorDiv(x + 3 * n, 7) + 3
+
+    for name in ("simplify_index_in_vec_range", "stride_at"):  # torch's own (a compile may have wrapped them)
+        fn = getattr(sizevars, name)
+        monkeypatch.setattr(sizevars, name, getattr(fn, "_dpcompile_original", fn))  # restored after the test
+    original = sizevars.simplify_index_in_vec_range
+
+    def forget():  # torch's caches of the answers (stride_at_vec_range's own on torch 2.13)
+        for fn in (original, sizevars.stride_at_vec_range):
+            getattr(fn, "cache_clear", lambda: None)()
+
+    forget()
+    expected = {n: sizevars.stride_at_vec_range(index(n), x, 16) for n in (u0, s0)}  # torch's own answer
+    forget()
+    monkeypatch.setattr(compat, "_hinted", set())
+    compat.expand_unbacked_vec_indices()
+    assert sizevars.stride_at._dpcompile_guarded and sizevars.simplify_index_in_vec_range._dpcompile_guarded
+
+    simplified = []
+    simplify = sympy.simplify
+    monkeypatch.setattr(sympy, "simplify", lambda e, *a, **k: simplified.append(e) or simplify(e, *a, **k))
+    stride = sizevars.stride_at_vec_range(index(u0), x, 16)
+    assert simplified == []
+    points = [dict(zip(sorted(expected[u0].free_symbols | stride.free_symbols, key=str), p))
+              for p in [(0, 0, 0), (1, 2, 3), (5, 17, 40), (9, 33, 2)]]
+    assert len(stride.free_symbols | expected[u0].free_symbols) <= 3
+    for p in points:
+        assert stride.subs(p) == expected[u0].subs(p), (stride, expected[u0], p)
+    assert sizevars.stride_at_vec_range(index(s0), x, 16) == expected[s0] and simplified  # the stock path
+    forget()

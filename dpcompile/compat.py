@@ -316,7 +316,7 @@ def hint_cpu_bmm_layouts() -> None:
 
 def expand_unbacked_vec_indices() -> None:
     """Inductor's C++ vector codegen asks, of every index a kernel reads or writes, its stride along a loop
-    variable (``sizevars.stride_at_vec_range``: ``simplify_index_in_vec_range``, then ``stride_at``), and
+    variable (``stride_at_vec_range``: ``simplify_index_in_vec_range``, then ``stride_at``), and
     settles both with ``sympy.simplify``, which rebuilds every nested function of the index and recurses into
     its arguments. With an unbacked batch size in the index (Funnel's pooled relative attention, sharded) it
     ran for more than ten minutes on one kernel. For an index with an unbacked symbol the two simplify with
@@ -326,9 +326,8 @@ def expand_unbacked_vec_indices() -> None:
     if "unbacked_vec_indices" in _hinted:
         return
     _hinted.add("unbacked_vec_indices")
-    try:
-        from torch._inductor import sizevars
-    except ImportError:
+    module = vec_index_module()
+    if module is None:
         return
 
     def wrap(original):
@@ -349,8 +348,23 @@ def expand_unbacked_vec_indices() -> None:
                 return original(index, var, *args)
         return expanded
 
-    _wrap_once(sizevars, "simplify_index_in_vec_range", wrap)
-    _wrap_once(sizevars, "stride_at", wrap)
+    _wrap_once(module, "simplify_index_in_vec_range", wrap)
+    _wrap_once(module, "stride_at", wrap)
+
+
+def vec_index_module():
+    """The module whose ``stride_at_vec_range`` the C++ codegen calls, which looks its two helpers up in its own
+    globals: ``torch._inductor.sizevars`` on torch 2.13, ``torch._inductor.codegen.cpp`` on 2.11; None where
+    there is none."""
+    try:
+        from torch._inductor.codegen import cpp
+    except ImportError:
+        return None
+    fn = getattr(cpp, "stride_at_vec_range", None)
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is None or not all(hasattr(module, n) for n in ("simplify_index_in_vec_range", "stride_at")):
+        return None
+    return module
 
 
 @contextlib.contextmanager

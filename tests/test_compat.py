@@ -796,11 +796,13 @@ def test_cpu_vector_strides_of_an_unbacked_index_are_expanded_not_simplified(mon
     and has the value sympy.simplify's has at every point; an index without unbacked symbols still goes through
     sympy.simplify."""
     import sympy
-    from torch._inductor import sizevars
     from torch.utils._sympy.functions import FloorDiv, ModularIndexing
     from torch.utils._sympy.symbol import SymT, make_symbol
 
     from dpcompile import compat
+
+    sizevars = compat.vec_index_module()  # torch._inductor.sizevars (2.13) or torch._inductor.codegen.cpp (2.11)
+    assert sizevars is not None
 
     x = sympy.Symbol("d3", integer=True, nonnegative=True)
     u0 = make_symbol(SymT.UNBACKED_INT, 0, integer=True, nonnegative=True)

@@ -82,7 +82,7 @@ which raises on an unbacked batch among them (XLNet's sequence-first attention, 
 
 Inductor's C++ vector codegen simplifies every index with ``sympy.simplify`` to find its strides, which ran
 for more than ten minutes on one index of Funnel's with an unbacked batch size in it
-(``expand_unbacked_vec_indices``: such an index is expanded instead, the same value found in linear time).
+(``expand_unbacked_vec_indices``: such an index is expanded instead: the same value, in seconds).
 
 Inductor's reshape indexing of a view it cannot take by strides settles an equality of sizes with an
 unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s head split asserted that the
@@ -321,8 +321,9 @@ def expand_unbacked_vec_indices() -> None:
     its arguments. With an unbacked batch size in the index (Funnel's pooled relative attention, sharded) it
     ran for more than ten minutes on one kernel. For an index with an unbacked symbol the two simplify with
     ``sympy.expand`` instead: the same value (any expression equal to the stride is what the callers may
-    print), found in time linear in the index; where expand leaves a stride that is 0 or 1 unrecognised,
-    the codegen loads by gather instead of a contiguous vector (slower, exact). Other indices: unchanged."""
+    print), found without simplify's rewriting of every nested function; where expand leaves a stride that is
+    0 or 1 unrecognised, the codegen loads by gather instead of a contiguous vector (slower, exact). Other
+    indices: unchanged."""
     if "unbacked_vec_indices" in _hinted:
         return
     _hinted.add("unbacked_vec_indices")

@@ -770,7 +770,7 @@ class DPBackend:
         hint_fusion_scores()  # ... and fuse its kernels as for a fixed batch of the hint's size
         hint_kernel_size_hints()  # ... and tune them for it
         hint_cpu_bmm_layouts()  # ... and lower a CPU bmm of operands whose strides hold it, not raise
-        expand_unbacked_vec_indices()  # ... and vectorise its CPU kernels in linear time
+        expand_unbacked_vec_indices()  # ... and vectorise its CPU kernels without sympy.simplify on its indices
         reshape_indexer_refuses_unbacked_guesses()  # ... and index its reshapes for every batch size
         cpp_wrapper_any_args()  # a sharded graph's collectives under Inductor's C++ wrapper (torch 2.13)
         install_phase_gated_reuse()  # no buffer of ghost's first backward held for its second

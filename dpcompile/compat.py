@@ -82,7 +82,7 @@ which raises on an unbacked batch among them (XLNet's sequence-first attention, 
 
 Inductor's C++ vector codegen simplifies every index with ``sympy.simplify`` to find its strides, which ran
 for more than ten minutes on one index of Funnel's with an unbacked batch size in it
-(``expand_unbacked_vec_indices``: such an index is expanded instead: the same value, in seconds).
+(``expand_unbacked_vec_indices``: such an index is expanded instead, which gives the same value).
 
 Inductor's reshape indexing of a view it cannot take by strides settles an equality of sizes with an
 unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s head split asserted that the

@@ -31,6 +31,7 @@ from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
 from .second_backward_recompute import second_backward_recompute_pass
+from .side_gradients import side_gradients_pass
 from .state_updates import state_updates_pass
 from .tensor_parallel import tensor_parallel_check_pass
 from .unit_batch_matmuls import unit_batch_matmuls_pass
@@ -52,6 +53,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("conv_backward_split", conv_backward_split_pass),
     # before the analysis: einsum's bmm over a batch of one as an mm, whose weight gradient the rules know
     Pass("unit_batch_matmuls", unit_batch_matmuls_pass, optional=True),
+    # before the analysis: a tangent of an output other than the loss (a state kept on a module) read as zeros
+    Pass("side_gradients", side_gradients_pass),
     Pass("batch_dim_analysis", batch_dim_analysis_pass),
     Pass("empty_batch", empty_batch_pass),
     # privacy: what the step keeps besides gradients (buffers) holds no sample data

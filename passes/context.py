@@ -71,6 +71,8 @@ class DPPassContext:
     states: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     tangent_dependent: set[fx.Node] = dataclasses.field(default_factory=set)
     loss: Any = None  # passes.loss_reduction.LossInfo
+    # incoming gradients of outputs other than the loss, compiled as zeros (passes.side_gradients)
+    side_tangents: list[fx.Node] = dataclasses.field(default_factory=list)
     # a sum of per-sample losses divided by a count of samples (F.cross_entropy's default mean: the targets
     # that are not ignore_index): the division -> the count (BatchDimAnalysis._sample_count_mean)
     sample_count_means: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)

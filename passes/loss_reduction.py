@@ -58,7 +58,7 @@ def _shape_of(node: Any) -> tuple | None:
     return tuple(str(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _output_seeded_by(tangent: fx.Node, fwd_outs: list, graph: fx.Graph) -> fx.Node:
+def output_seeded_by(tangent: fx.Node, fwd_outs: list, graph: fx.Graph) -> fx.Node:
     """The forward output whose incoming gradient ``tangent`` is: the one AOTAutograd's descriptor names
     (``TangentAOTInput(output=PlainAOTOutput(idx))``), checked by shape, a tangent has its output's shape.
     Without a descriptor (or one that does not fit), by what it is: the only output of the tangent's shape,
@@ -79,7 +79,7 @@ def _output_seeded_by(tangent: fx.Node, fwd_outs: list, graph: fx.Graph) -> fx.N
     return grads[k]
 
 
-def _describe_output(node: Any) -> str:
+def describe_output(node: Any) -> str:
     """A forward output for a message: its shape, the line that made it and its module."""
     if not isinstance(node, fx.Node):
         return "an output that is not a tensor"
@@ -137,10 +137,11 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
     fwd_outs = list(out.args[0][: ctx.num_fwd_outputs])
     used_tangents = [
         n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents") and len(n.users) > 0
+        and n not in ctx.side_tangents  # read as zeros (passes.side_gradients)
     ]
     if len(used_tangents) != 1:
         names = ", ".join(n.name for n in used_tangents)
-        outs = "; ".join(f"{t.name} is that of {_describe_output(_output_seeded_by(t, fwd_outs, graph))}"
+        outs = "; ".join(f"{t.name} is that of {describe_output(output_seeded_by(t, fwd_outs, graph))}"
                          for t in used_tangents)
         raise DPCompileError(split_error_text(
             ctx.split_step,
@@ -151,7 +152,7 @@ def loss_reduction_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModul
             f"stored detached too."
         ))
     tangent = used_tangents[0]
-    loss = _output_seeded_by(tangent, fwd_outs, graph)
+    loss = output_seeded_by(tangent, fwd_outs, graph)
     if ctx.empty_batch:
         _empty_batch_loss(ctx, loss, tangent)
         return gm

@@ -159,6 +159,9 @@ SMALL_LAYER_CASES = {
     # flip, roll and cumsum along the sequence, RMSNorm, LayerNorm without bias, a max over time
     "sequence_ops": Case(lambda: M.SequenceOps(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)),
                          M.mse),
+    # an output with a gradient besides the loss: a state kept on a module (a weight's .data clamped in the
+    # forward: test_per_sample_clipping's test_a_weight_clamped_in_the_forward...)
+    "kept_state": Case(lambda: M.KeptState(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 5, 3),)), M.mse),
     # buffers the forward updates in place, read by the weight's gradient (spectral_norm's power iteration)
     "spectral_norm": Case(lambda: M.SpectralNormNet(), lambda B: ((torch.randn(B, 5, 4),), (torch.randn(B, 5, 3),)),
                           M.mse),
@@ -467,6 +470,9 @@ def check_case_invariants(name, counters, summary):
         assert counters.get("sample_dim_indexed_by_arange", 0) >= 1, counters
     if name == "cross_attention":  # in_proj_weight's three blocks, each per sample
         assert counters.get("param_grad_blocks_joined", 0) >= 1, counters
+    if "kept_state" in kinds:  # the kept state's incoming gradient read as zeros, and its chain cut
+        assert counters.get("side_gradients_as_zeros", 0) >= 1, counters
+        assert counters.get("side_gradient_ops_cut", 0) >= 2, counters
     if name == "spectral_norm":  # the reads of the updated buffers saved, not recomputed
         assert counters.get("mutated_input_reads_saved", 0) >= 1, counters
     if name == "routed_experts":  # the experts' weights and biases gathered per token: index_put gradients

@@ -175,6 +175,39 @@ class RunningInputMean(nn.Module):
         return out
 
 
+class KeptState(nn.Module):
+    """A block that keeps its output on an attribute (RecurrentGemma's recurrent state, read by no loss): an
+    output of the compiled step with a gradient besides the loss. passes.side_gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+        self.state = None
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        self.state = h
+        return self.head(h)
+
+
+class ClampedWeight(nn.Module):
+    """A weight whose ``.data`` the forward clamps in place before it is used (Gemma3n's AltUp coefficients):
+    the clamped parameter is an output of the compiled step with a gradient besides the loss."""
+
+    def __init__(self, bound: float = 0.3):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.coef = nn.Linear(6, 6, bias=False)
+        self.head = nn.Linear(6, 3)
+        self.bound = bound
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        self.coef.weight.data.clamp_(-self.bound, self.bound)
+        return self.head(h + self.coef(h))
+
+
 class SpectralNormNet(nn.Module):
     """A Linear under torch's spectral_norm parametrization: in training mode each forward updates its power
     iteration's buffers in place, and the weight's gradient reads the vectors (u, v) it made. The min-cut

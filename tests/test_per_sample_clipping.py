@@ -32,6 +32,23 @@ def test_matches_reference(case, schedule, compiler):
         assert "wpe.weight" not in record.summary["params"]
 
 
+@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), ("ghost", "eager")])
+def test_a_weight_clamped_in_the_forward_gets_the_losss_gradient(schedule, compiler):
+    """A forward that clamps a weight's .data in place before using it (Gemma3n's AltUp coefficients): the
+    clamped weight is an output of the step with a gradient of its own, which loss.backward() leaves at zero;
+    compiled as zero, its chain cut, the step is exact (clipping active, the clamp active: the init exceeds
+    the bound). Sharded, the write would reach one gathered copy: refused (test_fsdp's bad_inputs)."""
+    torch.manual_seed(0)
+    inputs, targets = (torch.randn(6, 5, 6),), (torch.randn(6, 5, 3),)
+    model = M.ClampedWeight()
+    assert model.coef.weight.abs().max() > model.bound
+    backend = check_against_reference(model, M.mse, inputs, targets, schedule=schedule, compiler=compiler)
+    assert model.coef.weight.abs().max() <= model.bound  # the step's forward clamped it
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["side_gradients_as_zeros"] == 1, record.counters
+    assert record.counters["side_gradient_ops_cut"] >= 1, record.counters
+
+
 @pytest.mark.parametrize("case,schedule", [("sample_indexed", "bk"), ("hf_llama", "ghost")])
 def test_exact_with_inductors_collective_reordering(case, schedule):
     """fully_shard turns on Inductor's compute/communication reordering for every graph compiled afterwards. With

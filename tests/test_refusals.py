@@ -482,7 +482,7 @@ def test_loss_is_the_output_its_tangent_seeds_not_the_first_output():
     is: the output of the tangent's shape, and among several of that shape the one in the tangent's place."""
     import torch.fx as fx
 
-    from passes.loss_reduction import _output_seeded_by
+    from passes.loss_reduction import output_seeded_by
 
     g = fx.Graph()
     t1, t2 = g.placeholder("tangents_1"), g.placeholder("tangents_2")
@@ -490,10 +490,10 @@ def test_loss_is_the_output_its_tangent_seeds_not_the_first_output():
     for n, val in ((t1, torch.zeros(())), (t2, torch.zeros(())), (logits, torch.zeros(4, 6, 13)),
                    (loss, torch.zeros((), requires_grad=True)), (aux, torch.zeros((), requires_grad=True))):
         n.meta["val"] = val
-    assert _output_seeded_by(t1, [logits, loss], g) is loss  # the first output is the logits
-    assert _output_seeded_by(t2, [logits, loss, aux], g) is aux  # the second scalar tangent: the second scalar
+    assert output_seeded_by(t1, [logits, loss], g) is loss  # the first output is the logits
+    assert output_seeded_by(t2, [logits, loss, aux], g) is aux  # the second scalar tangent: the second scalar
     t1.meta["desc"] = type("D", (), {"output": type("O", (), {"idx": 0})()})()  # names the logits: not its shape
-    assert _output_seeded_by(t1, [logits, loss], g) is loss
+    assert output_seeded_by(t1, [logits, loss], g) is loss
 
 
 def test_mode_reduce_overhead_is_the_cudagraphs_option():
@@ -583,15 +583,50 @@ class KeepsItsState(nn.Module):
         return h
 
 
-def test_a_state_kept_with_its_gradient_is_refused_naming_where_it_was_made():
-    """A tensor the model stores on a module attribute is an output of the graph too; with its gradient it is a
-    second incoming gradient of the backward. The refusal names both outputs, the module and the line that made
-    the second, and says to store it detached."""
+def test_a_gradient_into_a_kept_state_fails_the_step_naming_the_state():
+    """A tensor the model keeps on a module attribute is an output of the graph too, compiled with the gradient
+    loss.backward() gives it, none (passes.side_gradients; the step is exact: tests/cases.py's kept_outputs).
+    A step that does backpropagate into it fails at run time, naming the tensor, the module and the line that
+    made it, rather than getting the loss's clipped gradient alone."""
     model = nn.Sequential(KeepsItsState(), nn.Linear(5, 3))
+    backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+    def step(x, y):
+        loss = M.ce(model(x), y).mean()
+        state = model[0].state
+        torch.autograd.backward([loss, state], [torch.ones_like(loss), torch.ones_like(state)])
+        return loss.detach()
+
+    compiled = torch.compile(step, backend=backend)
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: compiled(x, y), "got a gradient for the output of shape (4, 5)", "(KeepsItsState)",
+                   "h = torch.tanh(self.fc(x))  # the state: made here", "Call .backward() on the loss only")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["side_gradients_as_zeros"] == 1, record.counters
+
+
+class KeepsAScalar(nn.Module):
+    """A block that keeps a scalar of its own on itself (an auxiliary loss no step reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.aux = None
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        self.aux = h.pow(2).mean()  # the kept scalar
+        return h
+
+
+def test_a_kept_scalar_beside_the_loss_is_refused_naming_both():
+    """Two scalar outputs with gradients: which one is the loss cannot be told from the graph. The refusal names
+    both, the module and the line that made the second, and says to store it detached."""
+    model = nn.Sequential(KeepsAScalar(), nn.Linear(5, 3))
     expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (torch.randn(4, 5),
                                                                              torch.randint(0, 3, (4,)))),
-                   "2 incoming gradients", "(KeepsItsState)", "h = torch.tanh(self.fc(x))  # the state: made here",
-                   "shape (4, 5)", "stored detached too")
+                   "2 incoming gradients", "(KeepsAScalar)", "self.aux = h.pow(2).mean()  # the kept scalar",
+                   "shape ()", "stored detached too")
 
 
 class BatchBranchBlock(nn.Module):

@@ -40,6 +40,7 @@ from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
 from dpcompile.eager_guard import in_non_private, refuse_recompile_limit_fallback, sentinel
 from dpcompile.fx_utils import clean_module_path, known
+from dpcompile.gathered_writes import refuse_writes_to_gathered_params
 from dpcompile.noise import NoiseSeeds
 from dpcompile.passes import BACKWARD_PASSES, PASSES, DPPassContext, ParamInfo, PassOptions
 from dpcompile.passes.cleanup import finalize
@@ -798,6 +799,8 @@ class DPBackend:
         reason = getattr(gm, "compile_subgraph_reason", None)
         record.compile_reason = ((getattr(reason, "reason", None) or "").strip().splitlines() or [""])[0]
         refuse_inputs_with_gradients(inputs, example_inputs, split)
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        refuse_writes_to_gathered_params(gm, {placeholders[gi.index]: gi.name for gi in inputs if gi.sharded})
         device = next(ex.device for ex, gi in zip(example_inputs, inputs) if gi.kind == "param")
         # a later eager run of this step (dynamo's recompile limit, a fallback) must fail, not train without DP
         refuse_recompile_limit_fallback()

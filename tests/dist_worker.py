@@ -709,6 +709,23 @@ def bad_inputs(rank, world, init_file, out_dir):
     except dpcompile.DPCompileError as e:
         results["running_statistic"] = str(e)
     results["running_statistic_untouched"] = bool((running.running_mean == 0).all())
+    # a forward that clamps a sharded weight's .data (Gemma3n's AltUp): the clamp would reach one gathered copy
+    # only; refused, naming the weight and the line (one process: exact, test_per_sample_clipping)
+    torch._dynamo.reset()
+    clamped = M.ClampedWeight()
+    dpcompile.fully_shard(clamped, mesh=mesh)
+    xs = torch.randn(3 * (1 - rank), 5, 6)
+
+    def clamped_step(x):
+        loss = clamped(x).pow(2).sum((1, 2)).mean()
+        loss.backward()
+        return loss.detach()
+
+    try:
+        torch.compile(clamped_step, backend=backend)(xs)
+        results["gathered_write"] = "no error"
+    except dpcompile.DPCompileError as e:
+        results["gathered_write"] = str(e)
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     _finish()

@@ -26,12 +26,20 @@ _ALIAS_FUNCTIONS = {torch._C._autograd._get_data_attr, operator.getitem, torch.d
                     torch.permute, torch.split, torch.chunk, torch.unbind, torch.diagonal, torch.movedim}
 
 
+def _is(node, method: str) -> bool:
+    """A DTensor method's call in dynamo's graph: ``call_method`` (torch 2.13), or a ``call_function`` of the
+    function dynamo made for it, named ``prim_<method>`` (torch 2.11)."""
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target == method)
+        or (node.op == "call_function" and getattr(node.target, "__name__", "") == f"prim_{method}"))
+
+
 def _gathered(node, names: dict) -> str | None:
     """The name of the sharded parameter whose gathered copy ``node`` is, or aliases; else None."""
     while isinstance(node, fx.Node):
-        if node.op == "call_method" and node.target == "to_local":
+        if _is(node, "to_local"):
             src = node.args[0]
-            while isinstance(src, fx.Node) and src.op == "call_method" and src.target == "redistribute":
+            while _is(src, "redistribute"):
                 src = src.args[0]
             return names.get(src)
         if (node.op == "call_method" and node.target in _ALIAS_METHODS) or \

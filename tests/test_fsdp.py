@@ -340,8 +340,9 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         assert "writes sample data into buffer 'running_mean'" in rep["running_statistic"], rep
         assert "aten.mean.dim" in rep["running_statistic"] and rep["running_statistic_untouched"], rep
         # a forward that writes into a sharded weight (.data.clamp_): refused, naming the weight, op and line
-        assert "changes the sharded parameter 'coef.weight' in place (clamp_" in rep["gathered_write"], rep
-        assert "self.coef.weight.data.clamp_(-self.bound, self.bound)" in rep["gathered_write"], rep
+        said = rep["gathered_write"]
+        assert "changes the sharded parameter 'coef.weight' in place (clamp_" in said, said
+        assert "self.coef.weight.data.clamp_(-self.bound, self.bound)" in said, said
 
 
 @_ranks("placements")

@@ -1,6 +1,7 @@
 """What the backend cannot prove per-sample is refused, naming op, module and parameter."""
 import dataclasses
 import logging
+import operator
 import os
 
 import pytest
@@ -857,3 +858,40 @@ def test_a_logging_call_in_the_model_splits_the_plain_step_and_private_step_skip
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("form", ["call_method", "prim_function"])
+def test_a_write_into_a_gathered_parameter_is_found_in_either_form_of_dynamos_graph(form):
+    """A sharded parameter's read is ``redistribute`` then ``to_local`` in dynamo's graph: methods on torch 2.13,
+    calls of functions dynamo names ``prim_redistribute`` and ``prim_to_local`` on torch 2.11. An in-place op
+    on the read (through ``.data`` or a view) is found in both and refused, naming the parameter; one on a value
+    computed from it is not (the parameter is not written)."""
+    from dpcompile.gathered_writes import refuse_writes_to_gathered_params
+
+    def prim(name):
+        def fn(x):
+            return x
+        fn.__name__ = name
+        return fn
+
+    def read(g, p):
+        if form == "call_method":
+            return g.call_method("to_local", (g.call_method("redistribute", (p,)),))
+        return g.call_function(prim("prim_to_local"), (g.call_function(prim("prim_redistribute"), (p,)),))
+
+    for written, refused in [("alias", True), ("product", False)]:
+        g = torch.fx.Graph()
+        p = g.placeholder("L_model_w_")
+        w = read(g, p)
+        if written == "alias":
+            target = g.call_method("t", (g.call_function(torch._C._autograd._get_data_attr, (w,)),))
+        else:
+            target = g.call_function(operator.mul, (w, 2.0))
+        g.call_method("clamp_", (target, -0.3, 0.3))
+        g.output(None)
+        gm = torch.fx.GraphModule({}, g)
+        if refused:
+            expect_refusal(lambda: refuse_writes_to_gathered_params(gm, {p: "w"}),
+                           "changes the sharded parameter 'w' in place (clamp_")
+        else:
+            refuse_writes_to_gathered_params(gm, {p: "w"})

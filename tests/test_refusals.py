@@ -344,7 +344,13 @@ def test_scale_grad_by_freq_embedding_is_refused():
                    "scale_grad_by_freq", "emb (Embedding)")
 
 
-def test_second_differentiable_output_is_refused():
+def test_a_second_differentiable_output_gets_no_gradient_and_cannot_carry_one():
+    """A step that returns its per-sample losses undetached has a second output with a gradient: compiled with
+    that gradient as zero (passes.side_gradients), the step's gradients are the loss's. A backward through the
+    returned tensor afterwards never reaches the parameters: autograd refuses it, the step's backward having
+    freed what it saved (a backward that does give such an output a gradient within the step fails on the
+    backward's check: test_a_gradient_into_a_kept_state_fails_the_step_naming_the_state)."""
+    torch.manual_seed(0)
     model = M.MLP()
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
@@ -355,7 +361,26 @@ def test_second_differentiable_output_is_refused():
         loss.backward()
         return per_sample  # still requires grad: a second output with a gradient
 
-    expect_refusal(lambda: torch.compile(step, backend=backend)(x, y), "exactly one scalar loss", ".detach()")
+    per_sample = torch.compile(step, backend=backend)(x, y)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["side_gradients_as_zeros"] == 1, record.counters
+    model.zero_grad()
+    torch._dynamo.reset()
+    detached = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+    def step_detached(x, y):
+        loss = M.ce(model(x), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    torch.compile(step_detached, backend=detached)(x, y)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        per_sample.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad)  # nothing added
 
 
 def test_mean_loss_needs_expected_batch_size():

@@ -30,7 +30,7 @@ _clipped_on_cuda = functools.partial(clipped_on, "cuda")
 @pytest.mark.parametrize("case", [c for c in ["mlp_2d", "norms", "embedding_padding", "gpt", "llama", "conv_kinds",
                                                "routed_experts", "sorted_experts", "spectral_norm", "recurrent",
                                                "sequence_ops", "sample_indexed", "fourier_mixer", "spatial_transformer",
-                                               "selective_scan"]
+                                               "selective_scan", "kept_state"]
                                   if c in CASES])  # (sorted_experts: where transformers' fallback is traceable)
 def test_cuda_matches_reference(case, schedule):
     c = CASES[case]

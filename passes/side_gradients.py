@@ -88,8 +88,9 @@ _ZERO_IN_ANY = {aten.mul, aten.mm, aten.bmm, aten.matmul, aten.dot, aten.mv, ate
 
 
 def _fill_is_zero(n: fx.Node) -> bool:
-    """masked_fill / constant_pad_nd / where fill with zero (their other operands do not add to the result)."""
-    target = n.target.overloadpacket
+    """Whether what the op writes besides its first operand is zero: masked_fill's value, constant_pad_nd's
+    padding (every other op of _ZERO_IN_FIRST writes nothing else)."""
+    target = getattr(n.target, "overloadpacket", None)
     if target is aten.masked_fill:
         return not isinstance(n.args[2], fx.Node) and n.args[2] == 0
     if target is aten.constant_pad_nd:
@@ -101,8 +102,7 @@ def _is_zero(n: fx.Node, zero: set) -> bool:
     packet = getattr(n.target, "overloadpacket", n.target)
     args = n.args
     if packet in _ZERO_IN_FIRST or n.target in _ZERO_IN_FIRST:
-        return bool(args) and args[0] in zero and (packet not in (aten.masked_fill, aten.constant_pad_nd)
-                                                   or _fill_is_zero(n))
+        return bool(args) and args[0] in zero and _fill_is_zero(n)
     if packet in _ZERO_IN_ANY:
         return any(a in zero for a in n.all_input_nodes)
     if packet is aten.where:  # where(c, zero, zero | 0)

@@ -55,6 +55,8 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               uniform_fold_skips_unbacked_guards)
 from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.step_split import remember_graph_breaks  # noqa: E402
+from dpcompile.step_frames import compile_dp_frames_strictly  # noqa: E402
+from dpcompile.recurrent import lstm_cells_in_dp_steps  # noqa: E402
 from dpcompile.ctc_loss import trace_ctc_loss_as_one_op  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
 from dpcompile.eager_guard import RECOMPILE_LIMIT, non_private  # noqa: E402
@@ -73,18 +75,6 @@ __all__ = [
 
 
 _MODES = {"default": {}, "reduce-overhead": {"cudagraphs": True}}
-_IGNORED_LOGGING = "ignore_logging_functions"  # torch 2.13's name; older releases: ignore_logger_methods
-# logging.Logger's methods that only log (warning_once, info_once, warning_advice: added by transformers)
-_LOGGING_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
-
-
-def _logging_methods() -> set:
-    import logging
-
-    return {getattr(logging.Logger, n) for n in _LOGGING_METHODS if hasattr(logging.Logger, n)}
-
-
-
 def private_step(fn: Callable | None = None, *, mode: str | None = None, **options: Any):
     """Decorator: ``@private_step(max_grad_norm=..., noise_multiplier=..., ...)``.
 
@@ -111,26 +101,7 @@ def private_step(fn: Callable | None = None, *, mode: str | None = None, **optio
         @functools.wraps(f)
         def step(*args, **kwargs):
             before = backend.calls
-            # past dynamo's recompile limit the step would run eagerly: no DP (the plain form gets the same
-            # setting process-wide once a DP graph compiles: eager_guard)
-            cfg = torch._dynamo.config
-            # allow_rnn: nn.LSTM, nn.GRU and nn.RNN traced into the graph (dynamo runs them eagerly otherwise,
-            # and the step is refused as split: backend.refuse_gradients_passed_out). Set and restored here,
-            # not by config.patch, which builds a class at every call (host time of every step)
-            settings = {"fail_on_recompile_limit_hit": True, "allow_rnn": True,
-                        "recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
-            # a logging call in model code (transformers' logger.warning_once) is a graph break, which splits the
-            # step: inside the step's graph it is skipped instead
-            ignored = _IGNORED_LOGGING if hasattr(cfg, _IGNORED_LOGGING) else "ignore_logger_methods"
-            settings[ignored] = getattr(cfg, ignored) | _logging_methods()
-            prior = {k: getattr(cfg, k) for k in settings}
-            for k, v in settings.items():
-                setattr(cfg, k, v)
-            try:
-                out = compiled(*args, **kwargs)
-            finally:
-                for k, v in prior.items():
-                    setattr(cfg, k, v)
+            out = compiled(*args, **kwargs)  # dynamo's settings for DP steps: step_frames, for both forms
             if torch.is_grad_enabled() and backend.calls == before:
                 raise DPCompileError(
                     f"the step {getattr(f, '__name__', f)!r} ran without a dp_fsdp graph (did dynamo skip or "
@@ -175,6 +146,8 @@ size_oblivious_roll()
 size_oblivious_fft()
 size_oblivious_affine_grid()
 remember_graph_breaks()
+compile_dp_frames_strictly()  # a DP step's frame never runs as plain Python (dpcompile/step_frames.py)
+lstm_cells_in_dp_steps()  # a first-layer nn.LSTM as cells, not mkldnn's opaque op (dpcompile/recurrent.py)
 size_oblivious_one_hot()
 size_oblivious_log_sigmoid_backward()
 size_oblivious_logsumexp()

@@ -258,33 +258,11 @@ def refuse_cpp_wrapper_with_opaque_inputs(cpp_wrapper: bool, inputs: list[GraphI
             f"Inductor's global cpp_wrapper) for sharded steps; cudagraphs=True also removes the per-kernel host cost.")
 
 
-# layers dynamo runs eagerly, compiling only what follows them (the loss), found by their autograd nodes in
-# what made the graph's inputs; and how to have them traced
-_EAGER_LAYER_ADVICE = {
-    ("rnn", "lstm", "gru"): "dynamo does not trace nn.LSTM, nn.GRU or nn.RNN unless "
-                            "torch._dynamo.config.allow_rnn = True: set it before the first step "
-                            "(@dpcompile.private_step sets it for its own steps)",
-}
-
-
-def _autograd_node_names(t: torch.Tensor, limit: int = 4096) -> set[str]:
-    """The names of the autograd nodes that made t (breadth first, at most ``limit``)."""
-    seen, names, todo = set(), set(), [t.grad_fn]
-    while todo and len(seen) < limit:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
-
-
 def refuse_gradients_passed_out(gm: fx.GraphModule, inputs: list[GraphInput], example_inputs) -> None:
     """A graph without trainable parameters is compiled as it is (a step's tail after ``loss.backward()``,
     a metric): unless it takes inputs that require grad and makes outputs that do. Its backward then carries
     gradients on to whatever made those inputs, a model that dynamo ran eagerly (a graph break it gave up on,
-    an RNN it does not trace), and they reach the parameters unclipped and without noise: no dp graph ever
+    a layer it was told not to trace), and they reach the parameters unclipped and without noise: no dp graph ever
     saw them, so nothing else would notice (eager_guard watches the parameters of models a dp graph trains)."""
     if not torch.is_grad_enabled() or in_non_private():
         return
@@ -299,21 +277,12 @@ def refuse_gradients_passed_out(gm: fx.GraphModule, inputs: list[GraphInput], ex
     if not carrying:
         return
     split = describe_split(gm)
-    made_by: set[str] = set()
-    for _, node in carrying:
-        real = getattr(node.meta.get("grapharg"), "example", None)
-        if isinstance(real, torch.Tensor) and real.grad_fn is not None:
-            made_by |= {n.lower() for n in _autograd_node_names(real)}
-    advice = next((a for keys, a in _EAGER_LAYER_ADVICE.items() if any(k in n for k in keys for n in made_by)),
-                  None)
     found = (f"no trainable parameter, but its input(s) {', '.join(n for n, _ in carrying)} require grad and its "
              f"output does: its backward would carry gradients on to the parameters that made them, which dynamo "
              f"ran outside any graph, unclipped and without noise")
     if split is None:
         split = Split("the parameters' computation was not traced into this graph (dynamo ran it eagerly)",
-                      advice or GENERIC_ADVICE)
-    elif advice:
-        split = Split(split.why, advice)
+                      GENERIC_ADVICE)
     raise DPCompileError(split_error_text(split, found))
 
 

@@ -18,6 +18,9 @@ Two guards:
   ``DPCompileError``. An eager step accumulates into every trainable parameter, the sentinel included, so
   one hook per graph suffices (a hook per parameter would cost a Python call per parameter per step).
 
+A frame of the step that dynamo gives up on before any DP graph exists (nothing to watch yet) is refused
+where dynamo compiles it: dpcompile/step_frames.py.
+
 Inside ``with dpcompile.non_private():`` gradients are not checked (a non-private phase on the same model).
 """
 from __future__ import annotations

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from dpcompile.batching import traced_frame
 from dpcompile.compat import wrap_method_once
+from dpcompile.passes.batch_state import HF_LOSS_ADVICE, HF_LOSS_MARKERS
 
 _FSDP2_ADVICE = (
     "the model is wrapped with torch.distributed.fsdp.fully_shard (FSDP2), whose hooks run outside the graph "
@@ -57,15 +58,6 @@ _LOGGING_ADVICE = (
     "a logging call in the model breaks dynamo's graph: use @dpcompile.private_step, which skips logging calls "
     "inside its steps, or add the logger's methods to torch._dynamo.config.ignore_logger_methods before the first "
     "step (e.g. {logging.Logger.warning, logging.Logger.warning_once})"
-)
-# A transformers model given labels= computes its own loss (transformers/loss/loss_utils.py): a token mean over
-# the whole batch (not a loss per sample), where dynamo also breaks the graph. Matched on the break's stack.
-_HF_LOSS_MARKERS = ("self.loss_function(", "transformers/loss/")
-_HF_LOSS_ADVICE = (
-    "a Hugging Face model given labels= computes its own loss, a token mean over the whole batch (not a loss per "
-    "sample), and dynamo breaks the graph in it: call the model without labels and compute one loss per sample "
-    "from .logits, e.g. per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), "
-    "reduction='none').view(B, T - 1); loss = per_token.mean(1).mean()"
 )
 
 # The graph breaks dynamo met last: a frame dynamo gave up on (a break in a loop skips the whole frame) leaves no
@@ -112,7 +104,7 @@ def remember_graph_breaks() -> None:
         def log_graph_break(self, code_options, reason, exc):
             if not getattr(exc, "logged", True) and getattr(exc, "gb_type", "") != "graph break in loop":
                 try:
-                    _RECENT_BREAKS.append(_describe_break(reason, exc))
+                    _RECENT_BREAKS.append(describe_break(reason, exc))
                 except Exception:  # noqa: BLE001 - a message's detail: never in the way of dynamo's own handling
                     pass
             return original(self, code_options, reason, exc)
@@ -121,7 +113,7 @@ def remember_graph_breaks() -> None:
     wrap_method_once(InstructionTranslatorBase, "log_graph_break", wrap)
 
 
-def _describe_break(reason: str, exc: Any) -> _Break:
+def describe_break(reason: str, exc: Any) -> _Break:
     stack = getattr(exc, "real_stack", None) or torch._guards.TracingContext.extract_stack()
     where = "an unknown line"
     if stack:
@@ -222,8 +214,8 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         return Split(what, _FSDP2_ADVICE)
     text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
     advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
-    if advice is None and any(m in text.replace("\\", "/") for m in _HF_LOSS_MARKERS):
-        advice = _HF_LOSS_ADVICE
+    if advice is None and any(m in text.replace("\\", "/") for m in HF_LOSS_MARKERS):
+        advice = HF_LOSS_ADVICE
     if advice is None and logged:
         advice = _LOGGING_ADVICE
     if advice is None and seen is not None:

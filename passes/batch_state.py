@@ -258,6 +258,15 @@ PER_SAMPLE_LOSS_HELP = (
     "per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1); loss = per_sample.mean()."
 )
 
+# A transformers model given labels= computes its own loss (transformers/loss/loss_utils.py): a token mean over
+# the whole batch (not a loss per sample). Matched on the stack of the op that divides (or of a graph break in it).
+HF_LOSS_MARKERS = ("self.loss_function(", "transformers/loss/")
+HF_LOSS_ADVICE = (
+    "a Hugging Face model given labels= computes its own loss, a token mean over the whole batch (not a loss per "
+    "sample): call the model without labels and compute one loss per sample "
+    "from .logits, e.g. per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), "
+    "reduction='none').view(B, T - 1); loss = per_token.mean(1).mean()"
+)
 
 RATIO_OF_SUMS = "a ratio of two sums over the samples"
 # BatchDimAnalysis._batch_size_mean at a static batch of one: sum / numel and sum / T are one graph
@@ -311,5 +320,10 @@ def loss_not_per_sample(origin: fx.Node, why: str) -> SamplesMixedError:
         f"dp_fsdp: the loss is not a sum or mean of per-sample losses: op {op_name(origin)} in module "
         f"{module_of(origin)} computes {why} ({example})."
         + (f"\n  at: {source_line(origin)}" if source_line(origin) else "")
-        + "\n  What to do: " + PER_SAMPLE_LOSS_HELP
+        + "\n  What to do: " + (HF_LOSS_ADVICE + "." if _in_hf_loss(origin) else PER_SAMPLE_LOSS_HELP)
     )
+
+
+def _in_hf_loss(node: fx.Node) -> bool:
+    stack = (node.meta.get("stack_trace") or "").replace("\\", "/")
+    return any(m in stack for m in HF_LOSS_MARKERS)

@@ -726,6 +726,29 @@ def bad_inputs(rank, world, init_file, out_dir):
         results["gathered_write"] = "no error"
     except dpcompile.DPCompileError as e:
         results["gathered_write"] = str(e)
+    # a step dynamo gives up on (a graph break inside its loop over the blocks) would run as plain Python, the
+    # sharded model's own collectives under eager autograd: refused on every rank, rank 1 with no samples, before
+    # anything runs (one process: test_refusals)
+    torch._dynamo.reset()
+    model, loss_fn, vocab = make("gpt")
+    shard_like_a_user(model, mesh)
+
+    def looping_step(x, y):
+        h = model.wte(x) + model.wpe(torch.arange(x.shape[1]))
+        for block in model.blocks:
+            h = block(h)
+            print(f"rank {rank}: block done")
+        loss = loss_fn(model.lm_head(model.ln_f(h)), y).mean()
+        loss.backward()
+        return loss.detach()
+
+    try:
+        ids = torch.randint(0, vocab, (3 * (1 - rank), 6))
+        torch.compile(looping_step, backend=backend)(ids, ids)
+        results["gave_up"] = "no error"
+    except dpcompile.DPCompileError as e:
+        results["gave_up"] = str(e)
+    results["gave_up_no_grads"] = all(p.grad is None for p in model.parameters())
     with open(os.path.join(out_dir, f"bad{rank}.json"), "w") as f:
         json.dump(results, f)
     _finish()

@@ -49,20 +49,24 @@ class EinsumNet(nn.Module):
 
 class RecurrentNet(nn.Module):
     """nn.LSTM (bidirectional, batch-first), nn.GRU (sequence-first) and nn.RNN (ReLU): each weight used at every
-    time step, so its gradient sums over the sequence. Dynamo traces them only with
-    torch._dynamo.config.allow_rnn (cases.py sets it; private_step sets it for its steps)."""
+    time step, so its gradient sums over the sequence. Dynamo traces them in DP steps (dpcompile/step_frames.py
+    sets allow_rnn while it compiles them). A second LSTM reads the batch itself (one-hot tokens, which need no
+    gradient): torch decomposes a CPU LSTM whose input needs no gradient into mkldnn's opaque op, dpcompile into
+    its cells (dpcompile/recurrent.py)."""
 
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(11, 6)
         self.lstm = nn.LSTM(6, 5, batch_first=True, bidirectional=True)
-        self.gru = nn.GRU(10, 4)
+        self.first = nn.LSTM(11, 2, batch_first=True)
+        self.gru = nn.GRU(12, 4)
         self.rnn = nn.RNN(4, 4, nonlinearity="relu", batch_first=True)
         self.head = nn.Linear(4, 3)
 
     def forward(self, x):  # [B, T] token ids
         h, _ = self.lstm(self.emb(x))
-        h, _ = self.gru(h.transpose(0, 1))
+        g, _ = self.first(F.one_hot(x, 11).to(self.emb.weight.dtype))
+        h, _ = self.gru(torch.cat([h, g], -1).transpose(0, 1))
         h, _ = self.rnn(h.transpose(0, 1))
         return self.head(h)
 

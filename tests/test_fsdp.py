@@ -343,6 +343,10 @@ def test_partially_sharded_two_mesh_stock_fsdp2_or_partial_tensor_parallel_model
         said = rep["gathered_write"]
         assert "changes the sharded parameter 'coef.weight' in place (clamp_" in said, said
         assert "self.coef.weight.data.clamp_(-self.bound, self.bound)" in said, said
+        # a step dynamo would run as plain Python (a graph break in its loop): refused, nothing written
+        said = rep["gave_up"]
+        assert "dynamo gave up on looping_step" in said and "block done" in said, said
+        assert rep["gave_up_no_grads"], rep
 
 
 @_ranks("placements")

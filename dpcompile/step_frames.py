@@ -1,0 +1,142 @@
+"""How dynamo compiles the frames of a DP step, in both forms (``torch.compile(step, backend="dp_fsdp")`` and
+``private_step``).
+
+Dynamo calls a backend only for the graphs it makes. Where it cannot resume after a graph break (the break
+sits where dynamo cannot split the frame: a module call inside an expression, a loop, an unsupported
+bytecode), it gives up on the whole frame and runs it as plain Python, calling no backend, and it keeps doing
+so at every later call. For a DP step that means ``loss.backward()`` writes unclipped, noiseless gradients
+and nothing in dpcompile runs: no graph was compiled, so eager_guard has no parameter to watch. Before this
+module, an ``nn.LSTM`` at the top level of a ``torch.compile(step, backend="dp_fsdp")`` step trained without
+DP, silently.
+
+So, for every frame dynamo compiles with a dp_fsdp backend:
+
+- dynamo's settings for DP steps (``dp_frame_settings``) hold while it traces the frame: RNN layers traced
+  (``allow_rnn``), logging calls skipped instead of breaking the graph, and a hard failure at the recompile
+  limit instead of an eager run (``private_step`` used to set these around its calls; the plain form had
+  none of them before its first DP graph);
+- a frame of the step itself (the function given to torch.compile, or the rest of it that dynamo resumes
+  after a graph break) that dynamo gives up on raises ``DPCompileError`` saying where and why, instead of
+  running as plain Python. Frames the step merely calls are left to dynamo: when one of them runs as plain
+  Python, the step's own frame was split at the call, and the backend refuses the pieces (step_split).
+  ``fullgraph=True`` already raises dynamo's own error.
+"""
+from __future__ import annotations
+
+import contextlib
+import linecache
+import logging
+import os
+import sys
+from typing import Any, Iterator
+
+import torch
+
+from dpcompile.compat import wrap_method_once
+from dpcompile.errors import DPCompileError
+from dpcompile.step_split import _RESUME, GENERIC_ADVICE, describe_break
+
+# logging.Logger's methods that only log (warning_once, info_once, warning_advice: added by transformers)
+_LOGGING_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")  # torch.compile's wrapper calls the step from here
+_ENGINE = os.path.join("torch", "autograd", "graph.py")  # autograd's backward, which runs hooks that dynamo sees
+
+
+def _logging_methods() -> set:
+    return {getattr(logging.Logger, n) for n in _LOGGING_METHODS if hasattr(logging.Logger, n)}
+
+
+@contextlib.contextmanager
+def dp_frame_settings() -> Iterator[None]:
+    """Dynamo's settings while it traces a frame of a DP step. Set and restored by hand, not by config.patch,
+    which builds a class at every call."""
+    cfg = torch._dynamo.config
+    # (the limit itself is raised for the process at the first DP compile: eager_guard)
+    settings: dict[str, Any] = {"fail_on_recompile_limit_hit": True, "allow_rnn": True}
+    # a logging call in model code (transformers' logger.warning_once) is a graph break, which splits the step:
+    # inside the step it is skipped instead (torch 2.13's name of the setting; older releases: ignore_logger_methods)
+    ignored = "ignore_logging_functions" if hasattr(cfg, "ignore_logging_functions") else "ignore_logger_methods"
+    settings[ignored] = getattr(cfg, ignored) | _logging_methods()
+    prior = {k: getattr(cfg, k) for k in settings}
+    for k, v in settings.items():
+        setattr(cfg, k, v)
+    try:
+        yield
+    finally:
+        for k, v in prior.items():
+            setattr(cfg, k, v)
+
+
+def compile_dp_frames_strictly() -> None:
+    """Wraps dynamo's per-frame compile (ConvertFrameAssert.__call__, which ConvertFrame calls and whose soft
+    failures it turns into an eager run of the frame), once per process."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.exc import Unsupported, UserError
+
+    def wrap(original):
+        def __call__(self, frame, *args, **kwargs):
+            from dpcompile.backend import backend_of
+
+            if backend_of(getattr(self, "_torchdynamo_orig_backend", None)) is None:
+                return original(self, frame, *args, **kwargs)
+            if "skip" in kwargs:  # frames dynamo leaves out of the stacks it records: this one too
+                kwargs["skip"] += 1
+            with dp_frame_settings():
+                try:
+                    return original(self, frame, *args, **kwargs)
+                except (Unsupported, UserError) as e:
+                    if getattr(self, "_one_graph", False) or not _is_the_steps_frame(frame.f_code):
+                        raise
+                    raise DPCompileError(_gave_up_text(frame.f_code, e)) from e
+        return __call__
+
+    wrap_method_once(convert_frame.ConvertFrameAssert, "__call__", wrap)
+
+
+def _is_the_steps_frame(code: Any) -> bool:
+    """Whether the frame about to run ``code`` is the compiled step itself or the rest of it after a graph
+    break, before its backward. Dynamo calls this before the frame runs, so the Python stack above here ends at
+    its caller: torch.compile's wrapper for the step, or, for a rest (``torch_dynamo_resume_in_<fn>_at_<line>``),
+    the step's frame through the rests resumed before it. A rest resumed after a ``.backward(`` (its line, or an
+    earlier rest's) runs once the DP backward has made the gradients: what it does as plain Python (an optimizer
+    step, logging) was never part of the DP graph. Frames run by autograd's backward are never the step's."""
+    stack = []
+    f = sys._getframe(1)
+    while f is not None:
+        stack.append(f.f_code)
+        f = f.f_back
+    if any(c.co_filename.endswith(_ENGINE) for c in stack):
+        return False
+    own = os.path.dirname(os.path.abspath(__file__))
+    # the callers: past dynamo's convert_frame and this module
+    callers = [c for c in stack if not c.co_filename.endswith("convert_frame.py")
+               and os.path.dirname(os.path.abspath(c.co_filename)) != own]
+    rests = [code] if code.co_name.startswith(_RESUME) else []
+    i = 0
+    if rests:
+        while i < len(callers) and callers[i].co_name.startswith(_RESUME):
+            rests.append(callers[i])
+            i += 1
+        i += 1  # the step's own frame, which called the first rest
+    if any(_resumed_after_backward(c) for c in rests):
+        return False
+    return i < len(callers) and callers[i].co_filename.endswith(_EVAL_FRAME)
+
+
+def _resumed_after_backward(code: Any) -> bool:
+    """A rest whose graph break was at a line that calls ``.backward(`` (its source line, as dynamo names it)."""
+    line = code.co_name[len(_RESUME):].rpartition("_at_")[2]
+    return line.isdigit() and ".backward(" in linecache.getline(code.co_filename, int(line))
+
+
+def _gave_up_text(code: Any, exc: BaseException) -> str:
+    brk = describe_break(str(exc), exc)
+    name = code.co_name
+    if name.startswith(_RESUME):
+        fn, _, line = name[len(_RESUME):].rpartition("_at_")
+        name = f"the rest of {fn} after its graph break at line {line}"
+    return (f"dp_fsdp: dynamo gave up on {name} ({code.co_filename}:{code.co_firstlineno}), a frame of the DP step, "
+            f"and would run it as plain Python: its gradients would be neither clipped nor noised. Dynamo could "
+            f"not resume after the graph break at {brk.where}: {brk.why}.\n  What to do: "
+            f"{brk.advice or GENERIC_ADVICE} (dynamo cannot split a frame at a break inside a loop, among "
+            f"others, and gives up on all of it).")

@@ -27,18 +27,16 @@ import contextlib
 import linecache
 import logging
 import os
-import sys
 from typing import Any, Iterator
 
 import torch
 
 from dpcompile.compat import wrap_method_once
 from dpcompile.errors import DPCompileError
-from dpcompile.step_split import _RESUME, GENERIC_ADVICE, describe_break
+from dpcompile.step_split import _RESUME, GENERIC_ADVICE, called_by_torch_compile, describe_break, frame_callers
 
 # logging.Logger's methods that only log (warning_once, info_once, warning_advice: added by transformers)
 _LOGGING_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
-_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")  # torch.compile's wrapper calls the step from here
 _ENGINE = os.path.join("torch", "autograd", "graph.py")  # autograd's backward, which runs hooks that dynamo sees
 
 
@@ -100,17 +98,9 @@ def _is_the_steps_frame(code: Any) -> bool:
     the step's frame through the rests resumed before it. A rest resumed after a ``.backward(`` (its line, or an
     earlier rest's) runs once the DP backward has made the gradients: what it does as plain Python (an optimizer
     step, logging) was never part of the DP graph. Frames run by autograd's backward are never the step's."""
-    stack = []
-    f = sys._getframe(1)
-    while f is not None:
-        stack.append(f.f_code)
-        f = f.f_back
-    if any(c.co_filename.endswith(_ENGINE) for c in stack):
+    callers = frame_callers()
+    if any(c.co_filename.endswith(_ENGINE) for c in callers):
         return False
-    own = os.path.dirname(os.path.abspath(__file__))
-    # the callers: past dynamo's convert_frame and this module
-    callers = [c for c in stack if not c.co_filename.endswith("convert_frame.py")
-               and os.path.dirname(os.path.abspath(c.co_filename)) != own]
     rests = [code] if code.co_name.startswith(_RESUME) else []
     i = 0
     if rests:
@@ -120,7 +110,7 @@ def _is_the_steps_frame(code: Any) -> bool:
         i += 1  # the step's own frame, which called the first rest
     if any(_resumed_after_backward(c) for c in rests):
         return False
-    return i < len(callers) and callers[i].co_filename.endswith(_EVAL_FRAME)
+    return called_by_torch_compile(callers[i:])
 
 
 def _resumed_after_backward(code: Any) -> bool:

@@ -34,6 +34,8 @@ _FSDP2_ADVICE = (
 )
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")  # torch.compile's wrapper calls the function here
+_MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 _RESUME = "torch_dynamo_resume_in_"  # the code name dynamo gives the rest of a frame after a graph break
 GENERIC_ADVICE = (
     "remove the graph break (TORCH_LOGS=graph_breaks lists every break; torch.compile(..., fullgraph=True) "
@@ -55,9 +57,10 @@ _UNBACKED_BATCH_ADVICE = {
 _LOGGING_MARKER = "logging.Logger method"
 _LOGGING_CALL = re.compile(r"(?i)log\w*(\([^)]*\))?\.(debug|info|warning|warn|warning_once|info_once)\(")
 _LOGGING_ADVICE = (
-    "a logging call in the model breaks dynamo's graph: use @dpcompile.private_step, which skips logging calls "
-    "inside its steps, or add the logger's methods to torch._dynamo.config.ignore_logger_methods before the first "
-    "step (e.g. {logging.Logger.warning, logging.Logger.warning_once})"
+    "a logging call in the model breaks dynamo's graph (in DP steps dpcompile has dynamo skip logging.Logger's "
+    "debug, info and warning calls, transformers' warning_once among them, but not others such as error): "
+    "move the call out of the step, or add the method to torch._dynamo.config.ignore_logger_methods before the "
+    "first step (e.g. {logging.Logger.error})"
 )
 
 # The graph breaks dynamo met last: a frame dynamo gave up on (a break in a loop skips the whole frame) leaves no
@@ -199,6 +202,13 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
                 f"{tx.f_code.co_firstlineno}) compiled on its own, without the batch or the loss: dynamo split "
                 f"or gave up on the model code that called it")
         last = _last_break()
+    elif isinstance(owner, torch.nn.Module) and tx.f_code.co_name == "forward" and \
+            called_by_torch_compile(frame_callers(), past_module_calls=True):
+        return Split(f"torch.compile was given the model ({type(owner).__name__}), not the training step: a DP "
+                     f"step is the function that computes the loss from the batch and calls loss.backward()",
+                     "compile the step: def step(x, y): loss = per_sample_loss(model(x), y).mean(); "
+                     "loss.backward(); return loss.detach(), then step = torch.compile(step, backend='dp_fsdp', "
+                     "options=...) (or decorate it with @dpcompile.private_step(...))")
     elif isinstance(owner, torch.nn.Module) and tx.f_code.co_name == "forward":
         what = (f"this graph is {type(owner).__name__}.forward ({tx.f_code.co_filename}:"
                 f"{tx.f_code.co_firstlineno}) compiled on its own, without the loss: the frame that called it "
@@ -241,6 +251,30 @@ def split_error_text(split: Split | None, found: str) -> str:
         return f"dp_fsdp: {found}"
     return (f"{head}\n  Why: {split.why}.\n  What dp_fsdp found in this part: {found}\n"
             f"  What to do: {split.advice}.")
+
+
+def frame_callers() -> list:
+    """The code objects of the Python stack beyond dynamo's per-frame compile (convert_frame.py), innermost
+    first: while dynamo compiles a frame (tracing it, or in the backend), they begin with the frame's caller,
+    the frame itself not having started."""
+    codes = []
+    f = sys._getframe(1)
+    while f is not None:
+        codes.append(f.f_code)
+        f = f.f_back
+    last = max((i for i, c in enumerate(codes) if c.co_filename.endswith("convert_frame.py")), default=None)
+    return [] if last is None else codes[last + 1:]
+
+
+def called_by_torch_compile(callers: list, past_module_calls: bool = False) -> bool:
+    """Whether ``frame_callers()`` start at torch.compile's wrapper (eval_frame.py): the frame being compiled is
+    the function given to torch.compile. ``past_module_calls``: through nn.Module's call machinery first (a
+    module given to torch.compile: dynamo compiles its forward)."""
+    i = 0
+    if past_module_calls:
+        while i < len(callers) and callers[i].co_filename.endswith(_MODULE_CALL):
+            i += 1
+    return i < len(callers) and callers[i].co_filename.endswith(_EVAL_FRAME)
 
 
 def _is_dpcompile_code(code: Any) -> bool:

@@ -875,6 +875,18 @@ def test_a_step_that_dynamo_gives_up_on_is_refused_not_run_as_plain_python(form,
     assert "block done" not in capsys.readouterr().out  # refused before the frame ran
 
 
+def test_a_model_given_to_torch_compile_is_refused_saying_to_compile_the_step():
+    """torch.compile(model, backend="dp_fsdp") compiles the forward alone, with the loss and backward outside:
+    refused before any gradient, saying that a DP step is the function that ends in loss.backward()."""
+    model = M.MLP()
+    compiled = torch.compile(model, backend="dp_fsdp", options=dict(max_grad_norm=1.0, noise_multiplier=0.0,
+                                                                    expected_batch_size=4, compiler="eager"))
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: M.ce(compiled(x), y).mean().backward(), "torch.compile was given the model (MLP)",
+                   "compile the step: def step(x, y)")
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_loop_that_breaks_the_graph_after_the_backward_runs_as_plain_python():
     """The same loop after loss.backward() (logging, an optimizer step) runs once the DP backward has written the
     gradients: dynamo runs that rest of the step as plain Python, as for any other step, and the gradients are
@@ -920,29 +932,35 @@ class WarnsInForward(nn.Module):
         return self.fc(x)
 
 
-def test_a_logging_call_in_the_model_splits_the_plain_step_and_private_step_skips_it():
-    """The plain form is refused as a split step, saying what to do; private_step skips the call inside its
-    graph (torch._dynamo.config.ignore_logger_methods for its steps, restored after) and is exact."""
+@pytest.mark.parametrize("form", ["compile", "private_step"])
+def test_a_logging_call_in_the_model_is_skipped_by_both_forms(form):
+    """Dynamo breaks the graph at a logging call, which would split the step; in DP steps of both forms it
+    skips the call instead (torch._dynamo.config.ignore_logger_methods while it compiles them, restored after),
+    and the gradients are exact. A logging method outside that set (error) still splits the step: refused,
+    saying what to do."""
     from reference import dp_reference
 
     model = WarnsInForward()
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
-    torch._dynamo.reset()
-    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
-                   "logging call", "private_step", "ignore_logger_methods")
-    assert all(p.grad is None for p in model.parameters())
     ref, _ = dp_reference(model, M.ce, (x,), (y,), max_grad_norm=0.05, expected_batch_size=4)
     before = set(torch._dynamo.config.ignore_logger_methods)
 
-    @dpcompile.private_step(max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4, compiler="eager")
     def step(x, y):
         M.ce(model(x), y).mean().backward()
 
+    step = _both_forms(form, step, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4,
+                       compiler="eager")
     torch._dynamo.reset()
     step(x, y)
     assert set(torch._dynamo.config.ignore_logger_methods) == before
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(ignore_logger_methods=set()), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_LOG, "warning", _LOG.error)  # the model's warning is an error call now
+        expect_refusal(lambda: step(x, y), "logging call", "ignore_logger_methods", "logging.Logger.error")
+    assert all(p.grad is None for p in model.parameters())
     torch._dynamo.reset()
 
 

@@ -38,7 +38,7 @@ from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
 from dpcompile.embedding_bag import embedding_bags_as_embeddings
 from dpcompile.errors import DPCompileError, DPValueError
 from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
-from dpcompile.eager_guard import in_non_private, refuse_recompile_limit_fallback, sentinel
+from dpcompile.eager_guard import in_non_private, sentinel
 from dpcompile.fx_utils import clean_module_path, known
 from dpcompile.gathered_writes import refuse_writes_to_gathered_params
 from dpcompile.noise import NoiseSeeds
@@ -771,8 +771,7 @@ class DPBackend:
         placeholders = gm.graph.find_nodes(op="placeholder")
         refuse_writes_to_gathered_params(gm, {placeholders[gi.index]: gi.name for gi in inputs if gi.sharded})
         device = next(ex.device for ex, gi in zip(example_inputs, inputs) if gi.kind == "param")
-        # a later eager run of this step (dynamo's recompile limit, a fallback) must fail, not train without DP
-        refuse_recompile_limit_fallback()
+        # a later eager run of this model (the uncompiled step called by mistake) must fail, not train without DP
         guard = sentinel([(gi.name, ex) for ex, gi in zip(example_inputs, inputs) if gi.kind == "param"])
         seeds_example = self.noise.example(len(inputs), device)
         counter = self._dropped_counter(device)

@@ -7,10 +7,9 @@ checks this around every call; the plain form has no wrapper to check in.)
 
 Two guards:
 
-- The recompile limit: once a DP graph compiles, dynamo's ``fail_on_recompile_limit_hit`` is on for the
-  process and its limit at least RECOMPILE_LIMIT (refuse_recompile_limit_fallback): dynamo raises where it
-  would have run the frame eagerly, also for a model no DP graph has seen yet (one step function compiled
-  for many models).
+- The recompile limit: while dynamo compiles a frame of a DP step, ``fail_on_recompile_limit_hit`` is on and
+  the limit at least RECOMPILE_LIMIT (dpcompile/step_frames.py): dynamo raises where it would have run the
+  frame eagerly, also for a model no DP graph has seen yet (one step function compiled for many models).
 - Any other eager run of a model a DP graph trains (a fallback, the uncompiled function called by mistake):
   every DP graph gives one of its trainable parameters, the sentinel, a post-accumulate-grad hook. Each run
   of a DP graph's forward arms it; the gradient its backward accumulates disarms it. A gradient that arrives
@@ -66,23 +65,6 @@ def non_private():
     finally:
         with _lock:
             _state.depth -= 1
-
-
-def refuse_recompile_limit_fallback() -> None:
-    """Dynamo raises at its recompile limit instead of running the frame eagerly, for the whole process (dynamo
-    reads the setting when a frame is compiled; there is no per-function switch), with the limit raised to
-    RECOMPILE_LIMIT."""
-    import torch._dynamo.config as dynamo_config
-
-    if not dynamo_config.fail_on_recompile_limit_hit:
-        dynamo_config.fail_on_recompile_limit_hit = True
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        import logging
-
-        logging.getLogger("dpcompile").info(
-            "dynamo's recompile-limit fallback would run a DP step without DP: for this process "
-            "torch._dynamo.config.fail_on_recompile_limit_hit=True, recompile_limit=%d",
-            dynamo_config.recompile_limit)
 
 
 class Sentinel:

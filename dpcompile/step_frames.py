@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
+from dpcompile import eager_guard
 from dpcompile.compat import wrap_method_once
 from dpcompile.errors import DPCompileError
 from dpcompile.step_split import _RESUME, GENERIC_ADVICE, called_by_torch_compile, describe_break, frame_callers
@@ -49,8 +50,8 @@ def dp_frame_settings() -> Iterator[None]:
     """Dynamo's settings while it traces a frame of a DP step. Set and restored by hand, not by config.patch,
     which builds a class at every call."""
     cfg = torch._dynamo.config
-    # (the limit itself is raised for the process at the first DP compile: eager_guard)
-    settings: dict[str, Any] = {"fail_on_recompile_limit_hit": True, "allow_rnn": True}
+    settings: dict[str, Any] = {"fail_on_recompile_limit_hit": True, "allow_rnn": True,
+                                "recompile_limit": max(cfg.recompile_limit, eager_guard.RECOMPILE_LIMIT)}
     # a logging call in model code (transformers' logger.warning_once) is a graph break, which splits the step:
     # inside the step it is skipped instead (torch 2.13's name of the setting; older releases: ignore_logger_methods)
     ignored = "ignore_logging_functions" if hasattr(cfg, "ignore_logging_functions") else "ignore_logger_methods"

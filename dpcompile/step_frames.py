@@ -20,6 +20,8 @@ So, for every frame dynamo compiles with a dp_fsdp backend:
   running as plain Python. Frames the step merely calls are left to dynamo: when one of them runs as plain
   Python, the step's own frame was split at the call, and the backend refuses the pieces (step_split).
   ``fullgraph=True`` already raises dynamo's own error.
+- ``torch._dynamo.config.suppress_errors`` (a compile that fails runs the frame as plain Python) is off while
+  dynamo compiles a DP step's frames: dpcompile's refusals reach the user instead of an eager, non-private run.
 """
 from __future__ import annotations
 
@@ -90,6 +92,26 @@ def compile_dp_frames_strictly() -> None:
         return __call__
 
     wrap_method_once(convert_frame.ConvertFrameAssert, "__call__", wrap)
+
+    def wrap_outer(original):
+        def __call__(self, frame, *args, **kwargs):
+            from dpcompile.backend import backend_of
+
+            cfg = torch._dynamo.config
+            if not cfg.suppress_errors or backend_of(getattr(self, "_torchdynamo_orig_backend", None)) is None:
+                return original(self, frame, *args, **kwargs)
+            if "skip" in kwargs:
+                kwargs["skip"] += 1
+            # torch._dynamo.config.suppress_errors runs a frame whose compile failed as plain Python: for a DP
+            # step, a refusal (BatchNorm, a split step) would then train without DP. Off for DP frames
+            cfg.suppress_errors = False
+            try:
+                return original(self, frame, *args, **kwargs)
+            finally:
+                cfg.suppress_errors = True
+        return __call__
+
+    wrap_method_once(convert_frame.ConvertFrame, "__call__", wrap_outer)
 
 
 def _is_the_steps_frame(code: Any) -> bool:

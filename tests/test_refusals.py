@@ -52,11 +52,17 @@ class BNNet(nn.Module):
         return self.head(self.bn(self.fc(x)))
 
 
-def test_batchnorm_in_training_mode_is_refused():
+@pytest.mark.parametrize("suppress_errors", [False, True])
+def test_batchnorm_in_training_mode_is_refused(suppress_errors):
+    """Also with dynamo's suppress_errors, which runs a frame whose compile failed as plain Python: a refused DP
+    step then trained without DP. Off while dynamo compiles DP frames (step_frames); the process keeps its own."""
     model = BNNet()
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
-    expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
-                   "var_mean", "bn (BatchNorm1d)", "mixes samples", "GroupNorm")
+    with torch._dynamo.config.patch(suppress_errors=suppress_errors):
+        expect_refusal(lambda: run(model, lambda m, x, y: M.ce(m(x), y).mean(), (x, y)),
+                       "var_mean", "bn (BatchNorm1d)", "mixes samples", "GroupNorm")
+        assert torch._dynamo.config.suppress_errors == suppress_errors
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_batchnorm_in_eval_mode_is_fine():

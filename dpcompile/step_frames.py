@@ -40,6 +40,10 @@ from dpcompile.step_split import _RESUME, GENERIC_ADVICE, called_by_torch_compil
 
 # logging.Logger's methods that only log (warning_once, info_once, warning_advice: added by transformers)
 _LOGGING_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
+_LOOPED_BACKWARD_ADVICE = (
+    "a DP step computes one loss and calls its backward once, at its end: for micro-batches, call the step once "
+    "per micro-batch, all but the last inside `with dpcompile.accumulate():` (the noise is added once, by the last)"
+)
 _ENGINE = os.path.join("torch", "autograd", "graph.py")  # autograd's backward, which runs hooks that dynamo sees
 
 
@@ -148,8 +152,11 @@ def _gave_up_text(code: Any, exc: BaseException) -> str:
     if name.startswith(_RESUME):
         fn, _, line = name[len(_RESUME):].rpartition("_at_")
         name = f"the rest of {fn} after its graph break at line {line}"
+    advice = brk.advice or GENERIC_ADVICE
+    if ".backward(" in brk.where:  # a backward per micro-batch in a loop
+        advice = _LOOPED_BACKWARD_ADVICE
     return (f"dp_fsdp: dynamo gave up on {name} ({code.co_filename}:{code.co_firstlineno}), a frame of the DP step, "
             f"and would run it as plain Python: its gradients would be neither clipped nor noised. Dynamo could "
             f"not resume after the graph break at {brk.where}: {brk.why}.\n  What to do: "
-            f"{brk.advice or GENERIC_ADVICE} (dynamo cannot split a frame at a break inside a loop, among "
+            f"{advice} (dynamo cannot split a frame at a break inside a loop, among "
             f"others, and gives up on all of it).")

@@ -893,6 +893,23 @@ def test_a_model_given_to_torch_compile_is_refused_saying_to_compile_the_step():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_backward_per_micro_batch_in_a_loop_is_refused_pointing_to_accumulate():
+    """Gradient accumulation written inside the step (a backward per micro-batch in a loop): dynamo gives up on
+    the frame at the first backward, and every micro-batch would train without DP. Refused, saying to call the
+    step once per micro-batch under dpcompile.accumulate()."""
+    model = M.MLP()
+
+    def step(x, y):
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            M.ce(model(xs), ys).mean().backward()
+
+    step = torch.compile(step, backend="dp_fsdp", options=dict(max_grad_norm=0.1, noise_multiplier=0.0,
+                                                               expected_batch_size=4, compiler="eager"))
+    expect_refusal(lambda: step(torch.randn(4, 5), torch.randint(0, 3, (4,))), "dynamo gave up on step",
+                   ".backward()", "once per micro-batch", "dpcompile.accumulate()")
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_loop_that_breaks_the_graph_after_the_backward_runs_as_plain_python():
     """The same loop after loss.backward() (logging, an optimizer step) runs once the DP backward has written the
     gradients: dynamo runs that rest of the step as plain Python, as for any other step, and the gradients are

@@ -90,7 +90,9 @@ def compile_dp_frames_strictly() -> None:
                 try:
                     return original(self, frame, *args, **kwargs)
                 except (Unsupported, UserError) as e:
-                    if getattr(self, "_one_graph", False) or not _is_the_steps_frame(frame.f_code):
+                    # (a frame called without grad mode, an evaluation, writes no gradient to protect)
+                    if getattr(self, "_one_graph", False) or not torch.is_grad_enabled() or \
+                            not _is_the_steps_frame(frame.f_code):
                         raise
                     raise DPCompileError(_gave_up_text(frame.f_code, e)) from e
         return __call__

@@ -879,6 +879,10 @@ def test_a_step_that_dynamo_gives_up_on_is_refused_not_run_as_plain_python(form,
                        'print("block done")', "inside a loop")
         assert all(p.grad is None for p in model.parameters())
     assert "block done" not in capsys.readouterr().out  # refused before the frame ran
+    with torch.no_grad():  # an evaluation through the same backend writes no gradient: dynamo's to run
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            step(x, y)
+    assert "block done" in capsys.readouterr().out
 
 
 def test_a_model_given_to_torch_compile_is_refused_saying_to_compile_the_step():

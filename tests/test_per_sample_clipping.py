@@ -563,3 +563,28 @@ def test_hugging_faces_own_gradient_checkpointing_matches_reference():
         return F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
 
     check_against_reference(model, loss, (x,), (_ids(4, 6, 29),), schedule="bk", compiler="eager", oracle=plain)
+
+
+class BilinearReadout(torch.nn.Module):
+    """A weight between two copies of a sample's features, written as one einsum of three operands."""
+
+    def __init__(self, d=5, h=6, n_out=3):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, h)
+        self.w = torch.nn.Parameter(torch.randn(n_out, h, h) / h)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return torch.einsum("bi,oij,bj->bo", h, self.w, h)
+
+
+@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+def test_einsum_of_three_operands_with_an_unbacked_batch(schedule):
+    """torch.einsum asks opt_einsum for a contraction order from int sizes, which an unbacked batch size (sharded
+    and Poisson-sampled steps, mark_batch) does not have: dynamo split the step there and it was refused. The order
+    is now chosen from the sizes' hints (dpcompile/einsum_path.py); one graph, exact against the oracle."""
+    inputs, targets = (torch.randn(5, 5),), (torch.randint(0, 3, (5,)),)
+    dpcompile.mark_batch(*inputs, *targets)
+    backend = check_against_reference(BilinearReadout(), M.ce, inputs, targets, schedule=schedule, compiler="eager")
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]

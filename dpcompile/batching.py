@@ -293,16 +293,23 @@ def mark_traced_batch() -> bool:
     Elsewhere (eager, other backends, already marked): nothing.
     """
     tx = traced_frame()
-    if tx is None:
-        return False
-    from dpcompile.backend import backend_of
-
-    backend = backend_of(tx.output.compiler_fn)
+    backend = traced_dp_backend(tx)
     if backend is None:
         return False
     if mark_arguments(_frame_arguments(tx), backend.config, batch_hint(backend.config)):
         raise torch._dynamo.exc.RestartAnalysis("dpcompile: batch dims of the step marked unbacked")
     return True
+
+
+def traced_dp_backend(tx=None):
+    """The DPBackend of the frame dynamo is compiling (``tx``: its translator, traced_frame()), or None: not
+    tracing, or tracing for another backend."""
+    tx = tx if tx is not None else traced_frame()
+    if tx is None:
+        return None
+    from dpcompile.backend import backend_of
+
+    return backend_of(tx.output.compiler_fn)
 
 
 def traced_frame():

@@ -48,10 +48,9 @@ class _HintedPaths:
 
 
 def _has_unbacked(shape) -> bool:
-    import torch
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from dpcompile.batching import is_unbacked
 
-    return any(isinstance(d, torch.SymInt) and free_unbacked_symbols(d) for d in shape)
+    return any(map(is_unbacked, shape))
 
 
 def _hint(d) -> int:

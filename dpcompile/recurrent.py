@@ -38,8 +38,6 @@ def _training(params) -> bool:
 
 def _in_dp_compile() -> bool:
     """Whether dynamo is compiling a frame for a dp_fsdp backend (AOTAutograd traces the graph inside that)."""
-    from dpcompile.backend import backend_of
-    from dpcompile.batching import traced_frame
+    from dpcompile.batching import traced_dp_backend
 
-    tx = traced_frame()
-    return tx is not None and backend_of(tx.output.compiler_fn) is not None
+    return traced_dp_backend() is not None

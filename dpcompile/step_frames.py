@@ -36,7 +36,8 @@ import torch
 from dpcompile import eager_guard
 from dpcompile.compat import wrap_method_once
 from dpcompile.errors import DPCompileError
-from dpcompile.step_split import _RESUME, GENERIC_ADVICE, called_by_torch_compile, describe_break, frame_callers
+from dpcompile.step_split import (_RESUME, GENERIC_ADVICE, called_by_torch_compile, describe_break, frame_callers,
+                                  resumed_at)
 
 # logging.Logger's methods that only log (warning_once, info_once, warning_advice: added by transformers)
 _LOGGING_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
@@ -80,12 +81,9 @@ def compile_dp_frames_strictly() -> None:
 
     def wrap(original):
         def __call__(self, frame, *args, **kwargs):
-            from dpcompile.backend import backend_of
-
-            if backend_of(getattr(self, "_torchdynamo_orig_backend", None)) is None:
+            if not _compiles_for_dp(self):
                 return original(self, frame, *args, **kwargs)
-            if "skip" in kwargs:  # frames dynamo leaves out of the stacks it records: this one too
-                kwargs["skip"] += 1
+            _skip_this_wrapper(kwargs)
             with dp_frame_settings():
                 try:
                     return original(self, frame, *args, **kwargs)
@@ -101,13 +99,10 @@ def compile_dp_frames_strictly() -> None:
 
     def wrap_outer(original):
         def __call__(self, frame, *args, **kwargs):
-            from dpcompile.backend import backend_of
-
             cfg = torch._dynamo.config
-            if not cfg.suppress_errors or backend_of(getattr(self, "_torchdynamo_orig_backend", None)) is None:
+            if not cfg.suppress_errors or not _compiles_for_dp(self):
                 return original(self, frame, *args, **kwargs)
-            if "skip" in kwargs:
-                kwargs["skip"] += 1
+            _skip_this_wrapper(kwargs)
             # torch._dynamo.config.suppress_errors runs a frame whose compile failed as plain Python: for a DP
             # step, a refusal (BatchNorm, a split step) would then train without DP. Off for DP frames
             cfg.suppress_errors = False
@@ -118,6 +113,19 @@ def compile_dp_frames_strictly() -> None:
         return __call__
 
     wrap_method_once(convert_frame.ConvertFrame, "__call__", wrap_outer)
+
+
+def _compiles_for_dp(convert: Any) -> bool:
+    """Whether dynamo's frame converter (ConvertFrame, ConvertFrameAssert) compiles for a dp_fsdp backend."""
+    from dpcompile.backend import backend_of
+
+    return backend_of(getattr(convert, "_torchdynamo_orig_backend", None)) is not None
+
+
+def _skip_this_wrapper(kwargs: dict) -> None:
+    """Dynamo's ``skip``: the frames it leaves out of the stacks it records, one more for the wrapper."""
+    if "skip" in kwargs:
+        kwargs["skip"] += 1
 
 
 def _is_the_steps_frame(code: Any) -> bool:
@@ -144,7 +152,7 @@ def _is_the_steps_frame(code: Any) -> bool:
 
 def _resumed_after_backward(code: Any) -> bool:
     """A rest whose graph break was at a line that calls ``.backward(`` (its source line, as dynamo names it)."""
-    line = code.co_name[len(_RESUME):].rpartition("_at_")[2]
+    line = resumed_at(code)[1]
     return line.isdigit() and ".backward(" in linecache.getline(code.co_filename, int(line))
 
 
@@ -152,7 +160,7 @@ def _gave_up_text(code: Any, exc: BaseException) -> str:
     brk = describe_break(str(exc), exc)
     name = code.co_name
     if name.startswith(_RESUME):
-        fn, _, line = name[len(_RESUME):].rpartition("_at_")
+        fn, line = resumed_at(code)
         name = f"the rest of {fn} after its graph break at line {line}"
     advice = brk.advice or GENERIC_ADVICE
     if ".backward(" in brk.where:  # a backward per micro-batch in a loop

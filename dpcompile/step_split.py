@@ -188,7 +188,7 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         what = f"dynamo split the step at a graph break{_where(reason)}: {seen.why if seen else why}"
         logged = _LOGGING_MARKER in why
     elif tx is not None and tx.f_code.co_name.startswith(_RESUME):
-        fn, _, line = tx.f_code.co_name[len(_RESUME):].rpartition("_at_")
+        fn, line = resumed_at(tx.f_code)
         code = linecache.getline(tx.f_code.co_filename, int(line)).strip() if line.isdigit() else ""
         what = (f"this graph is the rest of {fn} ({tx.f_code.co_filename}), which dynamo resumed after a graph "
                 f"break at line {line}{f' ({code})' if code else ''}; the frames that called it were split before "
@@ -251,6 +251,13 @@ def split_error_text(split: Split | None, found: str) -> str:
         return f"dp_fsdp: {found}"
     return (f"{head}\n  Why: {split.why}.\n  What dp_fsdp found in this part: {found}\n"
             f"  What to do: {split.advice}.")
+
+
+def resumed_at(code: Any) -> tuple[str, str]:
+    """(function, line) of a rest dynamo resumed after a graph break, from its code name
+    (``torch_dynamo_resume_in_<function>_at_<line>``); the line as written there, a number where it is one."""
+    fn, _, line = code.co_name[len(_RESUME):].rpartition("_at_")
+    return fn, line
 
 
 def frame_callers() -> list:

@@ -58,6 +58,10 @@ def _hint(d) -> int:
 
     if not isinstance(d, torch.SymInt):
         return int(d)
-    node = d.node
-    hint = node.shape_env.size_hint(node.expr, allow_none=True) if node.shape_env is not None else None
+    node, env = d.node, d.node.shape_env
+    if env is None:
+        return UNKNOWN_SIZE
+    if hasattr(env, "optimization_hint"):  # torch 2.13: the user's hint of an unbacked size (size_hint is deprecated)
+        return int(env.optimization_hint(node.expr, fallback=UNKNOWN_SIZE))
+    hint = env.size_hint(node.expr, allow_none=True)
     return int(hint) if hint is not None else UNKNOWN_SIZE

@@ -57,6 +57,7 @@ from dpcompile.config import DPConfig  # noqa: E402
 from dpcompile.step_split import remember_graph_breaks  # noqa: E402
 from dpcompile.step_frames import compile_dp_frames_strictly  # noqa: E402
 from dpcompile.recurrent import lstm_cells_in_dp_steps  # noqa: E402
+from dpcompile.instance_norm import instance_norm_per_sample_in_dp_steps  # noqa: E402
 from dpcompile.einsum_path import einsum_path_from_hints  # noqa: E402
 from dpcompile.ctc_loss import trace_ctc_loss_as_one_op  # noqa: E402
 from dpcompile.debug import dump_graphs  # noqa: E402
@@ -149,6 +150,7 @@ size_oblivious_affine_grid()
 remember_graph_breaks()
 compile_dp_frames_strictly()  # a DP step's frame never runs as plain Python (dpcompile/step_frames.py)
 lstm_cells_in_dp_steps()  # a first-layer nn.LSTM as cells, not mkldnn's opaque op (dpcompile/recurrent.py)
+instance_norm_per_sample_in_dp_steps()  # instance_norm as group_norm: any batch size (dpcompile/instance_norm.py)
 einsum_path_from_hints()  # einsum of 3+ operands with an unbacked batch (dpcompile/einsum_path.py)
 size_oblivious_one_hot()
 size_oblivious_log_sigmoid_backward()

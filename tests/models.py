@@ -1032,9 +1032,9 @@ class VisionBlocks(nn.Module):
 class ConvNet(nn.Module):
     """Every convolution form in one small net: strided and padded Conv2d with GroupNorm, depthwise, a
     grouped transposed convolution, a dilated Conv1d over frames ([B*H, C, W] rows: several rows per
-    sample), a Conv3d, GroupNorm with one group per channel (InstanceNorm's computation: InstanceNorm itself
-    does not trace with an unbacked batch size, tests/test_convolution.py) and a LayerNorm over channels
-    (channel-last). The stem and the frames' Conv1d have 16 output channels: their norms run in
+    sample), a Conv3d, an affine InstanceNorm (a DP step computes it as group_norm with a group per channel:
+    any batch size, dpcompile.instance_norm) and a LayerNorm over channels (channel-last). The stem and the
+    frames' Conv1d have 16 output channels: their norms run in
     dpcompile's kernel (dpcompile.conv_sq_norms), the frames' with 8 rows per sample."""
 
     def __init__(self, c_in=3, d_out=3):
@@ -1042,7 +1042,7 @@ class ConvNet(nn.Module):
         self.stem = nn.Conv2d(c_in, 16, 3, stride=2, padding=1)  # [16, 4, 4] from 8x8
         self.gn = nn.GroupNorm(2, 16)
         self.dw = nn.Conv2d(16, 16, 3, padding="same", groups=16, bias=False)
-        self.inorm = nn.GroupNorm(16, 16)
+        self.inorm = nn.InstanceNorm2d(16, affine=True)
         self.up = nn.ConvTranspose2d(16, 4, 3, stride=2, padding=1, output_padding=1, groups=2)  # [4, 8, 8]
         self.frames = nn.Conv1d(4, 16, 5, dilation=2, padding=4)
         self.ln = nn.LayerNorm(16)

@@ -128,20 +128,59 @@ def test_instance_norm():
     dp_run(model, torch.randn(B, 3, 8, 8), "bk", compiler="eager")
 
 
-def test_instance_norm_with_an_unbacked_batch_is_refused_naming_groupnorm():
-    # torch's instance_norm checks the batch against 0: dynamo breaks the graph, and private_step says what to use
-    model = ConvNet(nn.InstanceNorm2d(6, affine=True))
+@pytest.mark.parametrize("schedule,running", [("bk", False), ("ghost", True)])
+def test_instance_norm_with_an_unbacked_batch(schedule, running):
+    """One graph for every batch size (mark_batch), a batch of 0 among them: exact against the oracle. torch's
+    instance_norm views the batch as channels, which an unbacked batch cannot take (refused before, and with
+    compiler="eager" a division by zero on an empty batch); a DP step computes it as group_norm with a group per
+    channel. running: statistics kept from before, used as they are (eval mode), written out per channel."""
+    from reference import dp_reference
 
-    @dpcompile.private_step(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=B, compiler="eager")
-    def step(x, y):
-        loss = ce(model(x), y).mean()
-        loss.backward()
-        return loss.detach()
+    torch.manual_seed(0)
+    norm = perturbed(nn.InstanceNorm2d(6, affine=True, track_running_stats=running))
+    if running:
+        with torch.no_grad():
+            norm.running_mean.normal_()
+            norm.running_var.uniform_(0.5, 2.0)
+        norm.eval()
+    model = ConvNet(norm)
+    batches = [(torch.randn(n, 3, 6, 6), torch.randint(0, CLASSES, (n,))) for n in (3, 0, 5)]
+    _, norms = dp_reference(model, ce, batches[0][:1], batches[0][1:], max_grad_norm=1.0, expected_batch_size=5)
+    C = float(norms.median())
+    step, backend = compile_step(model, ce, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5,
+                                 schedule=schedule, compiler="eager")
+    clipped = unclipped = 0
+    for x, y in batches:
+        dpcompile.mark_batch(x, y)
+        model.zero_grad(set_to_none=True)
+        step((x,), (y,))
+        if len(x):
+            ref, norms = dp_reference(model, ce, (x,), (y,), max_grad_norm=C, expected_batch_size=5)
+            clipped, unclipped = clipped + int((norms > C).sum()), unclipped + int((norms < C).sum())
+        for n, p in model.named_parameters():
+            want = ref[n] if len(x) else torch.zeros_like(p, dtype=torch.float64)
+            torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"B={len(x)} {n}: {m}")
+    assert clipped and unclipped
+    assert len([r for r in backend.compiled if r.dp]) == 1
+    if running:  # eval mode reads the statistics, never writes them
+        assert not norm.num_batches_tracked
 
+
+@pytest.mark.parametrize("unbacked", [False, True])
+def test_instance_norm_updating_running_statistics_is_refused(unbacked):
+    """track_running_stats=True in training mode averages the samples' statistics into buffers, which would
+    carry them outside the privacy guarantee: refused, naming the buffer or saying to use no running statistics."""
+    model = ConvNet(nn.InstanceNorm2d(6, affine=True, track_running_stats=True))
+    step, _ = compile_step(model, ce, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=B,
+                           compiler="eager")
     x, y = torch.randn(B, 3, 8, 8), torch.randint(0, CLASSES, (B,))
-    dpcompile.mark_batch(x, y)
-    with pytest.raises(dpcompile.DPCompileError, match=r"(?s)InstanceNorm checks the batch size.*GroupNorm\(C, C\)"):
-        step(x, y)
+    if unbacked:
+        dpcompile.mark_batch(x, y)
+    match = r"(?s)running statistics.*track_running_stats=False" if unbacked else r"buffer 'norm.running_mean'"
+    with pytest.raises(dpcompile.DPCompileError, match=match):
+        step((x,), (y,))
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_layer_norm_over_channels():

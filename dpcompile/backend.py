@@ -29,6 +29,7 @@ from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, decompositions_for_one_sample,
                               expand_unbacked_vec_indices, guard_empty_y_grid, hint_cpu_bmm_layouts,
                               hint_fusion_scores, hint_kernel_size_hints, install_hf_shims, hint_mix_order_split,
+                              hint_same_ordered_strides,
                               reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
@@ -740,6 +741,7 @@ class DPBackend:
         hint_fusion_scores()  # ... and fuse its kernels as for a fixed batch of the hint's size
         hint_kernel_size_hints()  # ... and tune them for it
         hint_cpu_bmm_layouts()  # ... and lower a CPU bmm of operands whose strides hold it, not raise
+        hint_same_ordered_strides()  # ... and lay a buffer out in the order of strides that hold it, not raise
         expand_unbacked_vec_indices()  # ... and vectorise its CPU kernels without sympy.simplify on its indices
         reshape_indexer_refuses_unbacked_guesses()  # ... and index its reshapes for every batch size
         cpp_wrapper_any_args()  # a sharded graph's collectives under Inductor's C++ wrapper (torch 2.13)

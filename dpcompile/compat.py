@@ -270,6 +270,34 @@ def hint_kernel_size_hints() -> None:
                                  ("size_hint = 8192", "symbolic_hint(numel)"), "symbolic_hint")
 
 
+def hint_same_ordered_strides() -> None:
+    """Inductor lays a buffer out in another's stride order (``FlexibleLayout.same_ordered``, where an op requires
+    a stride order: a convolution's output reshaped to ``[1, B*C, H, W]`` for batch_norm) by sorting that
+    layout's strides' guarding hints, which a stride holding an unbacked batch size has none of: the compile
+    failed (GuardOnDataDependentSymNode). The order only chooses how a buffer Inductor allocates is laid out (any
+    order is exact); where the guarding hints fail it is taken from the optimization hints (the batch's hint)."""
+    if "same_ordered" in _hinted:
+        return
+    _hinted.add("same_ordered")
+    try:
+        from torch._inductor import ir
+        from torch._inductor.virtualized import V
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    except ImportError:  # pragma: no cover
+        return
+
+    def wrap(original):
+        def same_ordered(sizes, stride):
+            try:
+                return original(sizes, stride)
+            except GuardOnDataDependentSymNode:
+                hints = V.graph.sizevars.optimization_hints(stride)
+                return ir.FlexibleLayout.fill_ordered(sizes, sorted(range(len(hints)), key=hints.__getitem__))
+        return same_ordered
+
+    _wrap_once(getattr(ir, "FlexibleLayout", None), "same_ordered", wrap)
+
+
 def hint_cpu_bmm_layouts() -> None:
     """torch's CPU lowering of bmm (``kernel/bmm.py``, ``tuned_bmm``) copies an operand that is contiguous on
     neither of its last two dims, and decides that, for an operand whose layout is not fixed yet, from the FX

@@ -312,6 +312,14 @@ def traced_dp_backend(tx=None):
     return backend_of(tx.output.compiler_fn)
 
 
+@torch._dynamo.assume_constant_result
+def in_dp_trace() -> bool:
+    """Whether dynamo is compiling a frame for a dp_fsdp backend. Where dynamo traces a call of it (model code, an
+    F.instance_norm), it runs it for real and takes the answer as a constant; elsewhere (AOTAutograd's
+    decompositions, which run inside that compile) it is an ordinary call."""
+    return traced_dp_backend() is not None
+
+
 def traced_frame():
     """Dynamo's translator of the frame being compiled (not of a function inlined into it), or None."""
     try:

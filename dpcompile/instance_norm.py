@@ -26,15 +26,8 @@ import functools
 
 import torch
 
+from dpcompile.batching import in_dp_trace
 from dpcompile.compat import wrap_method_once
-
-
-@torch._dynamo.assume_constant_result
-def _in_dp_trace() -> bool:
-    """Run by dynamo, for real, while it traces: whether the frame is compiled for a dp_fsdp backend."""
-    from dpcompile.batching import traced_dp_backend
-
-    return traced_dp_backend() is not None
 
 
 def instance_norm_per_sample_in_dp_steps() -> None:
@@ -44,7 +37,7 @@ def instance_norm_per_sample_in_dp_steps() -> None:
         @functools.wraps(original)
         def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
                           momentum=0.1, eps=1e-5):
-            if _in_dp_trace() and input.dim() >= 3 and \
+            if in_dp_trace() and input.dim() >= 3 and \
                     not torch.overrides.has_torch_function_variadic(input, running_mean, running_var, weight, bias):
                 if use_input_stats and running_mean is None and running_var is None:
                     F._verify_spatial_size(input.size())  # instance_norm's own check: more than one position

@@ -10,6 +10,7 @@ rules. Outside DP compiles (stock torch.compile, eager) torch's choice stands.
 """
 from __future__ import annotations
 
+from dpcompile.batching import in_dp_trace
 from dpcompile.compat import wrap_method_once
 
 
@@ -24,7 +25,7 @@ def lstm_cells_in_dp_steps() -> None:
     def wrap(original):
         def select_one_layer_lstm_function(input, hx, params):
             chosen = original(input, hx, params)
-            if chosen is fused and _training(params) and _in_dp_compile():
+            if chosen is fused and _training(params) and in_dp_trace():
                 return cells
             return chosen
         return select_one_layer_lstm_function
@@ -34,10 +35,3 @@ def lstm_cells_in_dp_steps() -> None:
 
 def _training(params) -> bool:
     return any(getattr(p, "requires_grad", False) for layer in params for p in layer)
-
-
-def _in_dp_compile() -> bool:
-    """Whether dynamo is compiling a frame for a dp_fsdp backend (AOTAutograd traces the graph inside that)."""
-    from dpcompile.batching import traced_dp_backend
-
-    return traced_dp_backend() is not None

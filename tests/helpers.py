@@ -61,6 +61,30 @@ def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule
     return backend
 
 
+def check_batches_against_reference(model, per_sample_loss, step, batches, *, max_grad_norm, expected_batch_size,
+                                    reduction="mean", nonempty=False, atol=1e-7, atol_of_largest=0.0):
+    """``step`` (compile_step's) run on each ``(x, y)`` of ``batches`` with its batch dims marked
+    (dpcompile.mark_batch): every gradient against the oracle, zero where the batch is empty. ``atol_of_largest``:
+    added to atol in proportion to the largest reference gradient (fp32 against fp64 through deep nets).
+    Returns how many samples were clipped and how many were not."""
+    clipped = unclipped = 0
+    for x, y in batches:
+        dpcompile.mark_batch(x, y, nonempty=nonempty)
+        model.zero_grad(set_to_none=True)
+        step((x,), (y,))
+        B, ref = len(x), {}
+        if B:
+            ref, norms = dp_reference(model, per_sample_loss, (x,), (y,), max_grad_norm=max_grad_norm,
+                                      reduction=reduction, expected_batch_size=expected_batch_size)
+            clipped += int((norms > max_grad_norm).sum())
+            unclipped += int((norms < max_grad_norm).sum())
+        tol = atol + atol_of_largest * max((float(r.abs().max()) for r in ref.values()), default=0.0)
+        for n, p in model.named_parameters():
+            want = ref[n] if B else torch.zeros_like(p, dtype=torch.float64)
+            torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=tol, msg=lambda m: f"B={B} {n}: {m}")
+    return clipped, unclipped
+
+
 def run_interpreted(script: str, *args: str) -> dict:
     """Runs tests/<script> (with args) with TRITON_INTERPRET=1 in a process of its own (the variable must be set before triton
     is imported) with this checkout's dpcompile first on the path; its JSON report."""

@@ -1035,10 +1035,14 @@ class ConvNet(nn.Module):
     sample), a Conv3d, an affine InstanceNorm (a DP step computes it as group_norm with a group per channel:
     any batch size, dpcompile.instance_norm) and a LayerNorm over channels (channel-last). The stem and the
     frames' Conv1d have 16 output channels: their norms run in
-    dpcompile's kernel (dpcompile.conv_sq_norms), the frames' with 8 rows per sample."""
+    dpcompile's kernel (dpcompile.conv_sq_norms), the frames' with 8 rows per sample. ``viewed_norm``: an
+    instance norm written by hand after the transposed convolution, batch_norm over the batch viewed as channels
+    ([1, B*C, H, W]: its backward divides numel by B*C, and Inductor lays the view out in the convolution's
+    stride order; torch 2.11 cannot trace it with an unbacked batch)."""
 
-    def __init__(self, c_in=3, d_out=3):
+    def __init__(self, c_in=3, d_out=3, viewed_norm=False):
         super().__init__()
+        self.viewed_norm = viewed_norm
         self.stem = nn.Conv2d(c_in, 16, 3, stride=2, padding=1)  # [16, 4, 4] from 8x8
         self.gn = nn.GroupNorm(2, 16)
         self.dw = nn.Conv2d(16, 16, 3, padding="same", groups=16, bias=False)
@@ -1054,6 +1058,8 @@ class ConvNet(nn.Module):
         h = F.relu(self.gn(self.stem(x)))
         h = h + torch.tanh(self.inorm(self.dw(h)))
         h = self.up(h)  # [B, 4, 8, 8]
+        if self.viewed_norm:
+            h = F.batch_norm(h.reshape(1, B * 4, 8, 8), None, None, training=True).view(B, 4, 8, 8)
         rows = h.permute(0, 2, 1, 3).reshape(B * 8, 4, 8)  # each image row a sequence of its own
         rows = self.ln(self.frames(rows).transpose(1, 2)).transpose(1, 2)  # [B * 8, 16, 8]
         h = rows.reshape(B, 8, 16, 8).permute(0, 2, 1, 3)  # [B, 16, 8, 8]

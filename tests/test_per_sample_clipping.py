@@ -1,7 +1,6 @@
 """Every layer kind and model of cases.py, both schedules, against the vmap(grad) oracle with clipping active."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import dpcompile
@@ -9,7 +8,7 @@ import dpcompile
 import cases
 import models as M
 from cases import BATCH_MEANS, CASES, bad_samples, check_case_invariants, ids as _ids, with_bad_samples
-from helpers import check_against_reference, compile_step
+from helpers import check_against_reference, check_batches_against_reference, compile_step
 
 
 # Every case with both schedules; one of the two through Inductor's generated code, the other op by op
@@ -268,24 +267,6 @@ def test_varying_batch_sizes_use_a_dynamic_graph(schedule):
     assert len(dp_graphs) == 2  # B=4 static, then one symbolic-B graph for 3, 5, 2
 
 
-class _ViewedInstanceNorm(M.ConvNet):
-    """conv_kinds' net with an instance norm written by hand after its transposed convolution: batch_norm over the
-    batch viewed as channels ([1, B*C, H, W]), whose backward divides numel by B*C, a ratio of two multiples of
-    the batch size, and whose view Inductor lays out in the convolution's stride order
-    (compat.hint_same_ordered_strides)."""
-
-    def forward(self, x):
-        B = x.shape[0]
-        h = F.relu(self.gn(self.stem(x)))
-        h = h + torch.tanh(self.inorm(self.dw(h)))
-        h = self.up(h)  # [B, 4, 8, 8]
-        h = F.batch_norm(h.reshape(1, B * 4, 8, 8), None, None, training=True).view(B, 4, 8, 8)
-        rows = h.permute(0, 2, 1, 3).reshape(B * 8, 4, 8)
-        rows = self.ln(self.frames(rows).transpose(1, 2)).transpose(1, 2)
-        h = rows.reshape(B, 8, 16, 8).permute(0, 2, 1, 3)
-        return self.head(self.vol(torch.tanh(h).unsqueeze(1)).flatten(1))
-
-
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_a_ratio_of_batch_multiples_is_its_value_on_an_empty_batch(compiler):
     """Traced as non-empty (mark_batch(nonempty=True), as a sharded step is), a graph whose sizes divide a multiple
@@ -295,11 +276,10 @@ def test_a_ratio_of_batch_multiples_is_its_value_on_an_empty_batch(compiler):
     non-empty (2.11) breaks the graph at batch_norm's check of numel against 0: refused there, saying so."""
     from reference import dp_reference
 
-    import dpcompile
     from dpcompile.batching import traces_nonempty
 
     torch.manual_seed(0)
-    model = _ViewedInstanceNorm()
+    model = M.ConvNet(viewed_norm=True)
     batches = [(torch.randn(n, 3, 8, 8), torch.randn(n, 3)) for n in (3, 0, 2)]
     _, norms = dp_reference(model, M.mse, batches[0][:1], batches[0][1:], max_grad_norm=1.0, expected_batch_size=3)
     C = float(norms.median())
@@ -311,18 +291,9 @@ def test_a_ratio_of_batch_multiples_is_its_value_on_an_empty_batch(compiler):
         with pytest.raises(dpcompile.DPCompileError, match=r"(?s)graph break in forward.*F\.batch_norm"):
             step((x,), (y,))
         return
-    for x, y in batches:
-        dpcompile.mark_batch(x, y, nonempty=True)
-        model.zero_grad(set_to_none=True)
-        step((x,), (y,))
-        if len(x):
-            ref, _ = dp_reference(model, M.mse, (x,), (y,), max_grad_norm=C, expected_batch_size=3)
-        for n, p in model.named_parameters():
-            want = ref[n] if len(x) else torch.zeros_like(p, dtype=torch.float64)
-            # fp32 against fp64 through seven layers; up.bias, which the norm cancels, is 0 in exact arithmetic
-            tol = 1e-7 + 1e-6 * (max(float(r.abs().max()) for r in ref.values()) if len(x) else 0.0)
-            torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=tol,
-                                       msg=lambda m: f"B={len(x)} {n}: {m}")
+    # fp32 against fp64 through seven layers; up.bias, which the norm cancels, is 0 in exact arithmetic
+    check_batches_against_reference(model, M.mse, step, batches, max_grad_norm=C, expected_batch_size=3,
+                                    nonempty=True, atol_of_largest=1e-6)
     (rec,) = [r for r in backend.compiled if r.dp]
     assert rec.counters["nonempty_batch_ratios_cancelled"] >= 1, dict(rec.counters)
 
@@ -334,35 +305,15 @@ def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
     op by op (compiler="eager": the view's -1 is resolved in the graph, as Inductor resolves it)."""
     from reference import dp_reference
 
-    import dpcompile
-
     torch.manual_seed(0)
     model = M.LlamaLM()
     batches = [(_ids(B, 6, 13), _ids(B, 6, 13)) for B in (3, 0, 1, 4)]
     _, norms = dp_reference(model, M.seq_ce, batches[0][:1], batches[0][1:], max_grad_norm=1.0, reduction="sum")
     C = float(norms.median())
-    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=4, schedule=schedule,
-                                  compiler=compiler)
-
-    def step(ids, y):
-        loss = M.seq_ce(model(ids), y).sum()
-        loss.backward()
-        return loss.detach()
-
-    compiled = torch.compile(step, backend=backend)
-    clipped = unclipped = 0
-    for ids, y in batches:
-        B = ids.shape[0]
-        dpcompile.mark_batch(ids, y)
-        model.zero_grad(set_to_none=True)
-        compiled(ids, y)
-        if B:
-            ref, norms = dp_reference(model, M.seq_ce, (ids,), (y,), max_grad_norm=C, reduction="sum",
-                                      expected_batch_size=4)
-            clipped, unclipped = clipped + int((norms > C).sum()), unclipped + int((norms < C).sum())
-        for n, p in model.named_parameters():
-            want = ref[n] if B else torch.zeros_like(p, dtype=torch.float64)
-            torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=1e-7, msg=lambda m: f"B={B} {n}: {m}")
+    step, backend = compile_step(model, M.seq_ce, reduction="sum", max_grad_norm=C, noise_multiplier=0.0,
+                                 expected_batch_size=4, schedule=schedule, compiler=compiler)
+    clipped, unclipped = check_batches_against_reference(model, M.seq_ce, step, batches, max_grad_norm=C,
+                                                         expected_batch_size=4, reduction="sum")
     assert clipped and unclipped
     dp_graphs = [r for r in backend.compiled if r.dp]
     assert len(dp_graphs) == 1

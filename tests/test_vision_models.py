@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import dpcompile
-from helpers import check_against_reference, compile_step
+from helpers import check_against_reference, check_batches_against_reference, compile_step
 from models import ce
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -149,18 +149,8 @@ def test_instance_norm_with_an_unbacked_batch(schedule, running):
     C = float(norms.median())
     step, backend = compile_step(model, ce, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5,
                                  schedule=schedule, compiler="eager")
-    clipped = unclipped = 0
-    for x, y in batches:
-        dpcompile.mark_batch(x, y)
-        model.zero_grad(set_to_none=True)
-        step((x,), (y,))
-        if len(x):
-            ref, norms = dp_reference(model, ce, (x,), (y,), max_grad_norm=C, expected_batch_size=5)
-            clipped, unclipped = clipped + int((norms > C).sum()), unclipped + int((norms < C).sum())
-        for n, p in model.named_parameters():
-            want = ref[n] if len(x) else torch.zeros_like(p, dtype=torch.float64)
-            torch.testing.assert_close(p.grad.double(), want, rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"B={len(x)} {n}: {m}")
+    clipped, unclipped = check_batches_against_reference(model, ce, step, batches, max_grad_norm=C,
+                                                         expected_batch_size=5)
     assert clipped and unclipped
     assert len([r for r in backend.compiled if r.dp]) == 1
     if running:  # eval mode reads the statistics, never writes them

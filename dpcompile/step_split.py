@@ -55,6 +55,13 @@ _UNBACKED_BATCH_ADVICE = {
                       "unknown at compile time (dpcompile.mark_batch, Poisson sampling, sharded steps) cannot "
                       "answer: use torch >= 2.13, or another padding mode",
 }
+# torch.nn.utils.rnn's packing: dynamo skips these functions (stock torch.compile breaks there too)
+_PACKED_SEQUENCES = ("`pack_padded_sequence`", "`pack_sequence`", "`pad_packed_sequence`", "pack_padded_sequence(")
+_PACKED_ADVICE = (
+    "dynamo does not trace torch.nn.utils.rnn's packed sequences (PackedSequence); run the recurrent layer on the "
+    "padded batch instead (batch_first=True) and take each sample's output at its last valid step, e.g. "
+    "out[torch.arange(len(lengths)), lengths - 1], or mask the padded steps"
+)
 # A logging call in model code (transformers' logger.warning_once): dynamo breaks the graph there, saying so
 # (_LOGGING_MARKER), or the rest of the frame is resumed after the call (its source line: _LOGGING_CALL)
 _LOGGING_MARKER = "logging.Logger method"
@@ -131,6 +138,10 @@ def describe_break(reason: str, exc: Any) -> _Break:
     # exception dynamo saw ("Developer debug context: raised exception TypeError(...)") is part of the why
     why = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else
                                                                                   "no reason given")
+    # "Attempted to call function marked as skipped" names the function only in its explanation
+    explained = next((ln for ln in lines[1:] if ln.startswith("Explanation:")), "")
+    if "marked as skipped" in why and explained:
+        why += f" ({explained.removeprefix('Explanation: ')})"
     debug = next((ln for ln in lines if ln.startswith("Developer debug context: raised exception")), "")
     if debug:
         why += f" ({debug.removeprefix('Developer debug context: ')})"
@@ -167,6 +178,12 @@ def _last_break_at(reason: Any) -> _Break | None:
     return next((b for b in here if b.user_branch), here[0] if here else None)
 
 
+def _break_at(filename: str, line: str) -> _Break | None:
+    """dynamo's account of the last break at filename:line (where a resumed rest of a frame begins), or None."""
+    return next((b for b in reversed(_RECENT_BREAKS) if b.where.startswith(f"{filename}:{line} ")
+                 or b.where == f"{filename}:{line}"), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """Why a graph is only part of the step (what dynamo did) and what the user should do."""
@@ -193,9 +210,10 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
     elif tx is not None and tx.f_code.co_name.startswith(_RESUME):
         fn, line = resumed_at(tx.f_code)
         code = linecache.getline(tx.f_code.co_filename, int(line)).strip() if line.isdigit() else ""
+        seen = _break_at(tx.f_code.co_filename, line)
         what = (f"this graph is the rest of {fn} ({tx.f_code.co_filename}), which dynamo resumed after a graph "
-                f"break at line {line}{f' ({code})' if code else ''}; the frames that called it were split before "
-                f"it as well")
+                f"break at line {line}{f' ({code})' if code else ''}{f': {seen.why}' if seen else ''}; the frames "
+                f"that called it were split before it as well")
         logged = _LOGGING_CALL.search(code) is not None
     elif tx is not None and _is_dpcompile_code(tx.f_code):
         # e.g. the property that gathers a sharded parameter (dpcompile.fully_shard), compiled as a frame of its
@@ -227,6 +245,8 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         return Split(what, _FSDP2_ADVICE)
     text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
     advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
+    if advice is None and any(f in text for f in _PACKED_SEQUENCES):
+        advice = _PACKED_ADVICE
     if advice is None and any(m in text.replace("\\", "/") for m in HF_LOSS_MARKERS):
         advice = HF_LOSS_ADVICE
     if advice is None and logged:

@@ -509,6 +509,35 @@ def test_graph_resumed_after_a_break_is_refused_as_a_split_step():
                    "What to do")
 
 
+
+class PackedLSTM(nn.Module):
+    """A text classifier over variable-length samples: packed (torch.nn.utils.rnn), or padded and read at each
+    sample's last valid step, the form the refusal of the packed one advises."""
+
+    def __init__(self, packed: bool):
+        super().__init__()
+        self.packed = packed
+        self.rnn, self.head = nn.LSTM(5, 4, batch_first=True), nn.Linear(4, 3)
+
+    def forward(self, x, lengths):
+        if not self.packed:
+            return self.head(self.rnn(x)[0][torch.arange(x.shape[0]), lengths - 1])
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        return self.head(out[torch.arange(x.shape[0]), lengths - 1])
+
+
+def test_a_packed_sequence_is_refused_naming_the_function_and_the_padded_form():
+    """dynamo skips torch.nn.utils.rnn's packing (stock torch.compile breaks there too): the step is split at that
+    line; the message says which function dynamo would not trace and how to write the step without it, and that
+    form is exact."""
+    x, lengths, y = torch.randn(4, 6, 5), torch.tensor([6, 2, 4, 1]), torch.randint(0, 3, (4,))
+    expect_refusal(lambda: run(PackedLSTM(packed=True), lambda m, x, n: F.cross_entropy(m(x, n), y), (x, lengths)),
+                   "resumed after a graph break", "marked as skipped", "_sequence` in file",
+                   "run the recurrent layer on the padded batch")
+    check_against_reference(PackedLSTM(packed=False), lambda out, y: F.cross_entropy(out, y, reduction="none"),
+                            (x, lengths), (y,), schedule="bk")
+
 def test_loss_is_the_output_its_tangent_seeds_not_the_first_output():
     """With AOTAutograd's tangent descriptors missing (or not fitting), the loss is still found by what it
     is: the output of the tangent's shape, and among several of that shape the one in the tangent's place."""

@@ -36,8 +36,8 @@ import torch
 from dpcompile import eager_guard
 from dpcompile.compat import wrap_method_once
 from dpcompile.errors import DPCompileError
-from dpcompile.step_split import (_RESUME, GENERIC_ADVICE, called_by_torch_compile, describe_break, frame_callers,
-                                  resumed_at)
+from dpcompile.step_split import (_RESUME, GENERIC_ADVICE, PACKED_ADVICE, called_by_torch_compile, describe_break,
+                                  frame_callers, packed_sequence_named, resumed_at)
 
 # logging.Logger's methods that only log (warning_once, info_once, warning_advice: added by transformers)
 _LOGGING_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once", "warning_advice")
@@ -77,7 +77,7 @@ def compile_dp_frames_strictly() -> None:
     """Wraps dynamo's per-frame compile (ConvertFrameAssert.__call__, which ConvertFrame calls and whose soft
     failures it turns into an eager run of the frame), once per process."""
     from torch._dynamo import convert_frame
-    from torch._dynamo.exc import Unsupported, UserError
+    from torch._dynamo.exc import TorchRuntimeError, Unsupported, UserError
 
     def wrap(original):
         def __call__(self, frame, *args, **kwargs):
@@ -93,6 +93,14 @@ def compile_dp_frames_strictly() -> None:
                             not _is_the_steps_frame(frame.f_code):
                         raise
                     raise DPCompileError(_gave_up_text(frame.f_code, e)) from e
+                except TorchRuntimeError as e:
+                    packed = packed_sequence_named(str(e))
+                    if packed is None:
+                        raise
+                    # torch 2.11 traces into the packing where 2.13 skips it, then fails on a fake tensor
+                    raise DPCompileError(f"dp_fsdp: dynamo failed to trace torch.nn.utils.rnn's {packed} (a "
+                                         f"PackedSequence): {str(e).strip().splitlines()[0]}.\n  What to do: "
+                                         f"{PACKED_ADVICE}.") from e
         return __call__
 
     wrap_method_once(convert_frame.ConvertFrameAssert, "__call__", wrap)

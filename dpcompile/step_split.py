@@ -55,13 +55,22 @@ _UNBACKED_BATCH_ADVICE = {
                       "unknown at compile time (dpcompile.mark_batch, Poisson sampling, sharded steps) cannot "
                       "answer: use torch >= 2.13, or another padding mode",
 }
-# torch.nn.utils.rnn's packing: dynamo skips these functions (stock torch.compile breaks there too)
-_PACKED_SEQUENCES = ("`pack_padded_sequence`", "`pack_sequence`", "`pad_packed_sequence`", "pack_padded_sequence(")
-_PACKED_ADVICE = (
+# torch.nn.utils.rnn's packing: dynamo skips these functions on torch 2.13 (stock torch.compile breaks there too);
+# torch 2.11 traces them and fails on fake tensors (step_frames)
+_PACKED_SEQUENCES = ("pack_padded_sequence", "pad_packed_sequence", "pack_sequence")
+PACKED_ADVICE = (
     "dynamo does not trace torch.nn.utils.rnn's packed sequences (PackedSequence); run the recurrent layer on the "
     "padded batch instead (batch_first=True) and take each sample's output at its last valid step, e.g. "
     "out[torch.arange(len(lengths)), lengths - 1], or mask the padded steps"
 )
+
+
+def packed_sequence_named(text: str) -> str | None:
+    """The packing function of torch.nn.utils.rnn that ``text`` names (with torch's underscore or without),
+    or None."""
+    return next((f for f in _PACKED_SEQUENCES if f in text), None)
+
+
 # A logging call in model code (transformers' logger.warning_once): dynamo breaks the graph there, saying so
 # (_LOGGING_MARKER), or the rest of the frame is resumed after the call (its source line: _LOGGING_CALL)
 _LOGGING_MARKER = "logging.Logger method"
@@ -245,8 +254,8 @@ def describe_split(gm: fx.GraphModule) -> Split | None:
         return Split(what, _FSDP2_ADVICE)
     text = " ".join([what] + [f"{f.name} {f.filename} {f.line or ''}" for f in getattr(reason, "user_stack", None) or ()])
     advice = next((a for op, a in _UNBACKED_BATCH_ADVICE.items() if op in text and "data-dependent" in text), None)
-    if advice is None and any(f in text for f in _PACKED_SEQUENCES):
-        advice = _PACKED_ADVICE
+    if advice is None and packed_sequence_named(text):
+        advice = PACKED_ADVICE
     if advice is None and any(m in text.replace("\\", "/") for m in HF_LOSS_MARKERS):
         advice = HF_LOSS_ADVICE
     if advice is None and logged:

@@ -44,7 +44,8 @@ from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # n
 from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes_unbacked_batch,  # noqa: E402
                               flex_dense_takes_an_empty_batch,
                               integer_equalities_decided,
-                              size_oblivious_channels_last, size_oblivious_global_avg_pool,
+                              conv_layout_of_an_unbacked_batch, size_oblivious_channels_last,
+                              size_oblivious_global_avg_pool,
                               size_oblivious_log_sigmoid_backward, size_oblivious_logsumexp,
                               size_oblivious_solve_triangular,
                               size_oblivious_nll_loss_nd,
@@ -158,6 +159,7 @@ size_oblivious_logsumexp()
 size_oblivious_solve_triangular()
 size_oblivious_prob_cross_entropy()
 size_oblivious_channels_last()
+conv_layout_of_an_unbacked_batch()  # a convolution's fake output laid out as its kernel's
 conv_backward_layout_as_input()
 uniform_fold_skips_unbacked_guards()
 integer_equalities_decided()

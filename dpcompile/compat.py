@@ -75,6 +75,10 @@ A convolution of a channels-last input with an unbacked batch size: torch's stri
 may be 0 as "not channels-last", so fake and real outputs disagreed (``size_oblivious_channels_last``: an
 unbacked size taken as nonzero there); torch 2.11's fake ``convolution_backward`` lays its gradients out as
 the output gradient where its kernels follow the input (``conv_backward_layout_as_input``: torch 2.13's rule).
+torch's fake ``convolution`` lays its output out contiguous wherever a size is unbacked, where the kernels return
+channels-last output for a channels-last input (a transformer's convolution over its tokens;
+``conv_layout_of_an_unbacked_batch``: the layout torch's fake kernel gives the same strides with the batch given a
+value).
 
 torch's CPU lowering of ``bmm`` decides whether to copy an operand by comparing its fake sizes and strides,
 which raises on an unbacked batch among them (XLNet's sequence-first attention, sharded through Inductor):
@@ -769,6 +773,81 @@ def size_oblivious_channels_last() -> None:
 
     _wrap_once(prims_common, "are_strides_like_channels_last_or_false", wrap)
 
+
+
+def conv_layout_of_an_unbacked_batch() -> None:
+    """A convolution's fake output with an unbacked batch size laid out as its kernel lays it out. torch's fake
+    ``convolution`` (torch 2.11 and 2.13) asks the backend which layout it returns only where every size has a
+    hint; with an unbacked batch it takes the meta kernel's, always contiguous, while the CPU and CUDA kernels
+    return channels-last output for a channels-last input. A transformer's convolution over its tokens
+    (``x.transpose(1, 2).view(B, C, H, W)``: Twins' and PVT's position convolutions, SegFormer's Mix-FFN) then
+    had a contiguous fake output and a channels-last real one, and a ``flatten`` traced as a view of it failed at
+    run time ("view size is not compatible"), the sharded step stopping on that rank (stock ``torch.compile``
+    with ``mark_unbacked`` too). Here such a call also runs torch's own fake kernel on stand-ins of its inputs
+    with the unbacked sizes given a value (2; the same strides otherwise), and where that output is
+    channels-last, so is this one. Calls without an unbacked size are torch's own."""
+    import torch
+    from torch._subclasses import fake_impls
+
+    table = getattr(fake_impls, "op_implementations_dict", None)
+    if table is None:
+        return
+    for op in (torch.ops.aten.convolution.default, torch.ops.aten._convolution.default):
+        original = table.get(op)
+        if original is None or getattr(original, "_dpcompile_guarded", False):
+            continue
+        conv = _conv_laid_out_as_its_kernel(original)
+        _mark_wrapper(conv, original)
+        table[op] = conv
+
+
+def _conv_laid_out_as_its_kernel(original):
+    import torch
+    import torch.utils._pytree as pytree
+    from torch._prims_common import make_channels_last_strides_for
+
+    from dpcompile.batching import is_unbacked  # (batching imports this module)
+
+    def unbacked(t) -> bool:
+        return isinstance(t, torch.Tensor) and any(is_unbacked(s) for s in (*t.shape, *t.stride()))
+
+    def conv(fake_mode, func, *args, **kwargs):
+        out = original(fake_mode, func, *args, **kwargs)
+        if not isinstance(out, torch.Tensor) or out.dim() not in (4, 5) or \
+                not any(unbacked(t) for t in pytree.tree_leaves((args, kwargs))):
+            return out
+        try:
+            with fake_mode:
+                hinted = pytree.tree_map_only(torch.Tensor, lambda t: _stand_in(t) if unbacked(t) else t,
+                                              (args, kwargs))
+            kernel = original(fake_mode, func, *hinted[0], **hinted[1])
+        except Exception:  # noqa: BLE001 - the stand-in only refines a layout; torch's answer stands
+            return out
+        fmt = torch.channels_last if out.dim() == 4 else torch.channels_last_3d
+        if kernel.is_contiguous() or not kernel.is_contiguous(memory_format=fmt):
+            return out
+        with fake_mode:
+            return torch.empty_strided(out.shape, make_channels_last_strides_for(out.shape), dtype=out.dtype,
+                                       device=out.device)
+
+    return conv
+
+
+def _stand_in(t):
+    """An empty tensor like ``t`` (a fake one, under its mode) with every unbacked size given the value 2 and
+    every backed one its hint, in sizes and strides alike."""
+    import torch
+
+    def value(s):
+        if not isinstance(s, torch.SymInt):
+            return int(s)
+        expr = s.node.expr
+        env = s.node.shape_env  # torch 2.13 names the hints backed_var_to_val (var_to_val deprecated)
+        known = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else getattr(env, "var_to_val", {})
+        return int(expr.xreplace({sym: known.get(sym, 2) for sym in expr.free_symbols}))
+
+    return torch.empty_strided([value(s) for s in t.shape], [value(s) for s in t.stride()], dtype=t.dtype,
+                               device=t.device)
 
 def conv_backward_layout_follows_input() -> bool:
     """Whether this torch's fake ``convolution_backward`` lays the input gradient out as the convolution's

@@ -265,6 +265,21 @@ def speech2text():
     return Seq2Seq(Logits(transformers.Speech2TextForConditionalGeneration(cfg)), source="input_features")
 
 
+def no_dropout(entry):
+    """entry with every nn.Dropout's p set to 0: dropout the model's config cannot turn off (timm's relative
+    position MLP has p=0.125 written in), whose random masks no oracle shares."""
+    make, data, loss = entry
+
+    def made():
+        m = make()
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.modules.dropout._DropoutNd):
+                mod.p = 0.0
+        return m
+
+    return made, data, loss
+
+
 def unused_frozen(entry):
     """entry with the parameters its forward leaves unused here frozen (found by one plain backward, the RNG
     state kept): CANINE's projection and final character encoder (token-level tasks), MarkupLM's
@@ -531,6 +546,28 @@ MODELS = {
                        timm_model("regnetx_002")[1], class_ce),
     "timm_efficientnet_gn": (lambda: timm_model("efficientnet_b0", norm_layer=group_norm())[0](),
                              timm_model("efficientnet_b0")[1], class_ce),
+    # the 63rd session's timm sweep (timm 1.0.31): normaliser-free ResNet (scaled weight standardisation, no
+    # BatchNorm), ViTs with rotary, relative-position and class-attention forms, convolutional and pyramid
+    # transformers, a hierarchical one with its token unrolling
+    "timm_nf_resnet": timm_model("nf_resnet26", depths=(1, 1, 1, 1), channels=(16, 32, 32, 32)),
+    "timm_eva02": timm_model("eva02_tiny_patch14_224", 16, img_size=16, patch_size=4, embed_dim=16, depth=1,
+                             num_heads=2),
+    "timm_beit": timm_model("beit_base_patch16_224", 16, img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2),
+    "timm_cait": timm_model("cait_xxs24_224", 16, img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                            depth_token_only=1),
+    "timm_convit": timm_model("convit_tiny", 16, img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                              local_up_to_layer=1),
+    "timm_vit_relpos": no_dropout(timm_model("vit_relpos_small_patch16_224", 16, img_size=16, patch_size=4,
+                                             embed_dim=16, depth=1, num_heads=2)),
+    "timm_vit_registers_avg": timm_model("vit_small_patch16_224", 16, img_size=16, patch_size=4, embed_dim=16,
+                                         depth=1, num_heads=2, class_token=False, reg_tokens=2, global_pool="avg"),
+    "timm_davit": timm_model("davit_tiny", depths=(1, 1, 1, 1), embed_dims=(8, 16, 16, 16), num_heads=(1, 1, 1, 1)),
+    "timm_edgenext": timm_model("edgenext_xx_small", depths=(1, 1, 1, 1), dims=(8, 16, 16, 16)),
+    "timm_xcit": timm_model("xcit_nano_12_p16_224", img_size=32, embed_dim=16, depth=1, num_heads=2),
+    "timm_pvt_v2": timm_model("pvt_v2_b0", depths=(1, 1, 1, 1), embed_dims=(8, 16, 16, 16), num_heads=(1, 1, 1, 1)),
+    "timm_twins": timm_model("twins_pcpvt_small", depths=(1, 1, 1, 1), embed_dims=(8, 16, 16, 16),
+                             num_heads=(1, 1, 1, 1)),
+    "timm_hiera": timm_model("hiera_tiny_224", img_size=32, embed_dim=8, num_heads=1, stages=(1, 1, 1, 1)),
     # the 53rd session's sweep of transformers 5.24: state-space and hybrid LMs, routed experts in the batched
     # form, more decoders, encoder-decoders, encoders, vision and audio models
     "mamba2": hf("Mamba2Config", "Mamba2ForCausalLM", "lm", hidden_size=16, num_heads=4, head_dim=8, expand=2,

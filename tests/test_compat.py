@@ -484,6 +484,83 @@ def test_convolution_of_a_channels_last_input_with_an_unbacked_batch(schedule):
     _channels_last_convs_step(schedule)
 
 
+def _token_conv_model():
+    """A transformer's convolution over its tokens (Twins' and PVT's position convolution, SegFormer's Mix-FFN):
+    ``[B, N, C]`` transposed and viewed as a ``[B, C, H, W]`` image, channels-last strides, then flattened."""
+    import torch.nn as nn
+
+    class TokenConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.pos = nn.Linear(5, 8), nn.Conv2d(8, 8, 3, padding=1, groups=8)
+            self.conv, self.head = nn.Conv2d(8, 4, 2), nn.Linear(4 * 3 * 3 + 8 * 4 * 4, 3)
+
+        def forward(self, x):
+            B = x.shape[0]
+            image = self.embed(x).transpose(1, 2).reshape(B, 8, 4, 4)
+            h = self.pos(image) + image
+            return self.head(torch.cat([self.conv(h).flatten(1), h.flatten(1)], 1))
+
+    return TokenConv()
+
+
+@pytest.mark.parametrize("schedule,compiler", [("bk", "eager"), ("ghost", "inductor")])
+def test_convolution_over_tokens_with_an_unbacked_batch(schedule, compiler):
+    """torch's fake convolution took the meta kernel's contiguous layout for an input with an unbacked batch,
+    where the kernels return channels-last output for this channels-last input: the flatten traced as a view
+    of it failed at run time (stock torch.compile with mark_unbacked too). One graph for batches of 3, 0 and 2,
+    each exact against the oracle."""
+    import models as M
+    from helpers import check_batches_against_reference, compile_step
+    from reference import dp_reference
+
+    torch.manual_seed(0)
+    model = _token_conv_model()
+    batches = [(torch.randn(n, 16, 5), torch.randn(n, 3)) for n in (3, 0, 2)]
+    _, norms = dp_reference(model, M.mse, batches[0][:1], batches[0][1:], max_grad_norm=1.0, expected_batch_size=4)
+    C = float(norms.median())
+    step, backend = compile_step(model, M.mse, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=4,
+                                 schedule=schedule, compiler=compiler)
+    clipped, unclipped = check_batches_against_reference(model, M.mse, step, batches, max_grad_norm=C,
+                                                         expected_batch_size=4)
+    assert clipped and unclipped
+    assert len([r for r in backend.compiled if r.dp]) == 1
+
+
+def test_fake_convolution_with_an_unbacked_batch_is_laid_out_as_its_kernel():
+    """conv_layout_of_an_unbacked_batch: the fake output of a channels-last input with an unbacked batch is
+    channels-last as the real one is (torch's own fake kernel: contiguous); a contiguous input stays
+    contiguous."""
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    conv = torch.ops.aten.convolution.default
+    args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 8)
+    real = conv(torch.randn(3, 16, 8).transpose(1, 2).reshape(3, 8, 4, 4), torch.randn(8, 1, 3, 3), None, *args)
+    assert real.is_contiguous(memory_format=torch.channels_last) and not real.is_contiguous()
+
+    def fake_strides(channels_last: bool) -> list[int]:
+        """The fake output's strides but the batch's (a number here): of [B, 16, 8] tokens transposed and
+        viewed as [B, 8, 4, 4], or of a contiguous input."""
+        env = ShapeEnv()
+        with FakeTensorMode(shape_env=env):
+            u = env.create_unbacked_symint()
+            x = torch.empty_strided((u, 8, 4, 4), (128, 1, 32, 8)) if channels_last else torch.empty(u, 8, 4, 4)
+            return [int(s) for s in conv(x, torch.empty(8, 1, 3, 3), None, *args).stride()[1:]]
+
+    assert fake_strides(channels_last=True) == list(real.stride()[1:])
+    assert fake_strides(channels_last=False) == [16, 4, 1]
+    fixed = fake_impls.op_implementations_dict[conv]
+    if getattr(fixed, "_dpcompile_guarded", False):  # torch's own kernel: the meta layout, contiguous
+        fake_impls.op_implementations_dict[conv] = fixed._dpcompile_original
+        FakeTensorMode.cache_clear()  # (fake results are cached by their inputs' metadata)
+        try:
+            assert fake_strides(channels_last=True) == [16, 4, 1]
+        finally:
+            fake_impls.op_implementations_dict[conv] = fixed
+            FakeTensorMode.cache_clear()
+
 def _attention_step(schedule, batches=(3, 1)):
     """torch.nn.MultiheadAttention (batch_first: it works on [T, B, E] inside, heads split by a view to
     [T, B * heads, E / heads]) in a DP step with the batch unbacked, exact against the oracle for each batch."""

@@ -774,7 +774,6 @@ def size_oblivious_channels_last() -> None:
     _wrap_once(prims_common, "are_strides_like_channels_last_or_false", wrap)
 
 
-
 def conv_layout_of_an_unbacked_batch() -> None:
     """A convolution's fake output with an unbacked batch size laid out as its kernel lays it out. torch's fake
     ``convolution`` (torch 2.11 and 2.13) asks the backend which layout it returns only where every size has a
@@ -848,6 +847,7 @@ def _stand_in(t):
 
     return torch.empty_strided([value(s) for s in t.shape], [value(s) for s in t.stride()], dtype=t.dtype,
                                device=t.device)
+
 
 def conv_backward_layout_follows_input() -> bool:
     """Whether this torch's fake ``convolution_backward`` lays the input gradient out as the convolution's

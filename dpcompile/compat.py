@@ -783,8 +783,9 @@ def conv_layout_of_an_unbacked_batch() -> None:
     had a contiguous fake output and a channels-last real one, and a ``flatten`` traced as a view of it failed at
     run time ("view size is not compatible"), the sharded step stopping on that rank (stock ``torch.compile``
     with ``mark_unbacked`` too). Here such a call also runs torch's own fake kernel on stand-ins of its inputs
-    with the unbacked sizes given a value (2; the same strides otherwise), and where that output is
-    channels-last, so is this one. Calls without an unbacked size are torch's own."""
+    with the unbacked sizes given a value (2; the same strides otherwise), and where that output is not
+    contiguous (channels-last), this one's dims are nested as its are. Calls without an unbacked size are torch's
+    own."""
     import torch
     from torch._subclasses import fake_impls
 
@@ -803,8 +804,6 @@ def conv_layout_of_an_unbacked_batch() -> None:
 def _conv_laid_out_as_its_kernel(original):
     import torch
     import torch.utils._pytree as pytree
-    from torch._prims_common import make_channels_last_strides_for
-
     from dpcompile.batching import is_unbacked  # (batching imports this module)
 
     def unbacked(t) -> bool:
@@ -812,7 +811,7 @@ def _conv_laid_out_as_its_kernel(original):
 
     def conv(fake_mode, func, *args, **kwargs):
         out = original(fake_mode, func, *args, **kwargs)
-        if not isinstance(out, torch.Tensor) or out.dim() not in (4, 5) or \
+        if not isinstance(out, torch.Tensor) or out.dim() < 3 or \
                 not any(unbacked(t) for t in pytree.tree_leaves((args, kwargs))):
             return out
         try:
@@ -822,14 +821,23 @@ def _conv_laid_out_as_its_kernel(original):
             kernel = original(fake_mode, func, *hinted[0], **hinted[1])
         except Exception:  # noqa: BLE001 - the stand-in only refines a layout; torch's answer stands
             return out
-        fmt = torch.channels_last if out.dim() == 4 else torch.channels_last_3d
-        if kernel.is_contiguous() or not kernel.is_contiguous(memory_format=fmt):
+        if kernel.is_contiguous():
             return out
-        with fake_mode:
-            return torch.empty_strided(out.shape, make_channels_last_strides_for(out.shape), dtype=out.dtype,
+        with fake_mode:  # (channels-last, or a Conv1d's channels-innermost layout where a backend returns one)
+            return torch.empty_strided(out.shape, _strides_ordered_as(out.shape, kernel), dtype=out.dtype,
                                        device=out.device)
 
     return conv
+
+
+def _strides_ordered_as(shape, like) -> list:
+    """Dense strides for ``shape`` (sizes maybe symbolic) with the dims nested as in ``like`` (concrete): the dim
+    of the smallest stride innermost; among equal strides the size-one dim inside, which changes no stride."""
+    strides, extent = [0] * len(shape), 1
+    for d in sorted(range(len(shape)), key=lambda d: (like.stride(d), like.shape[d])):
+        strides[d] = extent
+        extent = extent * shape[d]
+    return strides
 
 
 def _stand_in(t):

@@ -177,20 +177,18 @@ def _last_break() -> _Break | None:
 
 
 def _last_break_at(reason: Any) -> _Break | None:
-    """dynamo's account of the break at the line where the graph's own reason says it broke: the one that says
-    which size question broke it where there is one (a frame traced again on its own only says "Data-dependent
-    branching"), else the last."""
+    """dynamo's account of the break at the line where the graph's own reason says it broke (``_break_at``)."""
     stack = getattr(reason, "user_stack", None) or []
-    if not stack:
-        return None
-    here = [b for b in reversed(_RECENT_BREAKS) if b.where.startswith(f"{stack[-1].filename}:{stack[-1].lineno}")]
+    return _break_at(stack[-1].filename, stack[-1].lineno) if stack else None
+
+
+def _break_at(filename: str, line: Any) -> _Break | None:
+    """dynamo's account of the break at filename:line (where a graph broke, or where a resumed rest of a frame
+    begins): the one that says which size question broke it where there is one (a frame traced again on its own
+    only says "Data-dependent branching"), else the last; None if dynamo logged none there."""
+    at = f"{filename}:{line}"
+    here = [b for b in reversed(_RECENT_BREAKS) if b.where == at or b.where.startswith(f"{at} ")]
     return next((b for b in here if b.user_branch), here[0] if here else None)
-
-
-def _break_at(filename: str, line: str) -> _Break | None:
-    """dynamo's account of the last break at filename:line (where a resumed rest of a frame begins), or None."""
-    return next((b for b in reversed(_RECENT_BREAKS) if b.where.startswith(f"{filename}:{line} ")
-                 or b.where == f"{filename}:{line}"), None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,8 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               size_oblivious_log_sigmoid_backward, size_oblivious_logsumexp,
                               size_oblivious_solve_triangular,
                               size_oblivious_nll_loss_nd,
-                              size_oblivious_norm_batch_check, size_oblivious_one_hot, size_oblivious_prob_cross_entropy,
+                              size_oblivious_group_norm, size_oblivious_norm_batch_check, size_oblivious_one_hot,
+                              size_oblivious_prob_cross_entropy,
                               size_oblivious_repeat, size_oblivious_reshape,
                               size_oblivious_cumsum, size_oblivious_fft, size_oblivious_roll,
                               size_oblivious_sdpa, size_oblivious_affine_grid,
@@ -141,6 +142,7 @@ _register_if_missing()
 size_oblivious_nll_loss_nd()  # see dpcompile.compat
 size_oblivious_sdpa()
 size_oblivious_global_avg_pool()
+size_oblivious_group_norm()
 size_oblivious_reshape()
 size_oblivious_norm_batch_check()
 size_oblivious_repeat()

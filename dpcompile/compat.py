@@ -97,7 +97,10 @@ An equality of an unbacked size that no integer satisfies (``3*u0 == 1``: a dim 
 something else, asked whether it is 1) is answered false (``integer_equalities_decided``).
 
 ``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
-(``size_oblivious_norm_batch_check``: asked with ``guard_or_false``).
+(``size_oblivious_norm_batch_check``: asked with ``guard_or_false``). Its C++ kernel then asks whether a
+channels-last input (timm's PoolFormer) is channels-last, which guards on whether the batch is empty, and so
+does its autograd formula (``size_oblivious_group_norm``: the same question with an unbacked size taken as
+nonzero).
 
 Inductor's joint-graph constant folding asks whether a uniform tensor is contiguous, which guards on an
 unbacked batch size (``uniform_fold_skips_unbacked_guards``: the folding stops there instead of the compile).
@@ -611,6 +614,84 @@ def size_oblivious_global_avg_pool() -> None:
         return op._op_dk(key, self, output_size)  # torch's own
 
     op.py_impl(key)(adaptive_avg_pool2d)
+
+
+def size_oblivious_group_norm() -> None:
+    """``F.group_norm`` of a channels-last input (timm's PoolFormer: a LayerNorm over channels between permutes,
+    then ``GroupNorm(1, C)``) with an unbacked batch size: torch's C++ ``group_norm`` (torch 2.11 and 2.13) asks
+    ``suggest_memory_format``, whose symbolic stride check guards ``Eq(u0, 0)``; dynamo splits the sharded DP
+    step at the norm (stock ``torch.compile`` with ``mark_unbacked`` raises there too). A Python kernel, used
+    only while tracing and only where a size of the input is unbacked, asks the same question with
+    ``channels_last_strides`` (an unbacked size taken as nonzero) and then does what torch's does: the input
+    made contiguous in that format on CPU (contiguous elsewhere), then ``native_group_norm``. Its autograd
+    formula asks the same of the input again, so ``native_group_norm`` gets a Python autograd kernel while
+    tracing with an unbacked size: torch's kernel below autograd, and torch's backward
+    (``native_group_norm_backward`` of the gradient and input in that format) without the question."""
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.group_norm.default
+    key = DispatchKey.CompositeImplicitAutograd
+    if key in op.py_kernels:
+        return
+    native = torch.ops.aten.native_group_norm.default
+
+    def memory_format(x):
+        if x.device.type in ("cpu", "privateuseone") and channels_last_strides(x.shape, x.stride()):
+            return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        return torch.contiguous_format
+
+    class _NativeGroupNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, n, c, hw, group, eps):
+            with torch._C._AutoDispatchBelowAutograd():
+                out, mean, rstd = native(x, weight, bias, n, c, hw, group, eps)
+            ctx.save_for_backward(x, weight, mean, rstd)
+            ctx.sizes = n, c, hw, group
+            ctx.mark_non_differentiable(mean, rstd)
+            return out, mean, rstd
+
+        @staticmethod
+        def backward(ctx, grad, _grad_mean, _grad_rstd):
+            x, weight, mean, rstd = ctx.saved_tensors
+            fmt = memory_format(x)
+            mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                    ctx.needs_input_grad[2]]
+            dx, dw, db = torch.ops.aten.native_group_norm_backward.default(
+                grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), mean, rstd, weight,
+                *ctx.sizes, mask)
+            return dx, dw, db, None, None, None, None, None
+
+    def native_group_norm(input, weight, bias, n, c, hw, group, eps):
+        if not free_unbacked_symbols(input.shape) or not (
+                input.requires_grad or any(t is not None and t.requires_grad for t in (weight, bias))):
+            return native._op_dk(DispatchKey.Autograd, input, weight, bias, n, c, hw, group, eps)  # torch's own
+        return _NativeGroupNorm.apply(input, weight, bias, n, c, hw, group, eps)
+
+    _autograd_kernel_while_tracing(native, native_group_norm)
+
+    def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+        if not free_unbacked_symbols(input.shape) or input.dim() < 2:
+            return op._op_dk(key, input, num_groups, weight, bias, eps, cudnn_enabled)  # torch's own
+        n, c = input.shape[0], input.shape[1]
+        torch._check(num_groups > 0, lambda: f"Expected num groups to be greater than 0, got {num_groups}")
+        torch._check(c % num_groups == 0, lambda: "Expected number of channels in input to be divisible by "
+                     f"num_groups, but got input of shape {tuple(input.shape)} and num_groups={num_groups}")
+        for name, t in (("weight", weight), ("bias", bias)):
+            torch._check(t is None or (t.dim() == 1 and t.numel() == c), lambda: f"Expected {name} to be a vector "
+                         f"of size equal to the number of channels in input, but got {name} of shape "
+                         f"{tuple(t.shape)} and input of shape {tuple(input.shape)}")
+        fmt = memory_format(input)
+        hw = 1
+        for s in input.shape[2:]:
+            hw = hw * s
+        x = input.contiguous(memory_format=fmt)
+        gamma = None if weight is None else weight.contiguous()
+        beta = None if bias is None else bias.contiguous()
+        return native(x, gamma, beta, n, c, hw, num_groups, eps)[0]
+
+    op.py_impl(key)(group_norm)
 
 
 def size_oblivious_reshape() -> None:

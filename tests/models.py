@@ -1033,7 +1033,9 @@ class ConvNet(nn.Module):
     """Every convolution form in one small net: strided and padded Conv2d with GroupNorm, depthwise, a
     grouped transposed convolution, a dilated Conv1d over frames ([B*H, C, W] rows: several rows per
     sample), a Conv3d, an affine InstanceNorm (a DP step computes it as group_norm with a group per channel:
-    any batch size, dpcompile.instance_norm) and a LayerNorm over channels (channel-last). The stem and the
+    any batch size, dpcompile.instance_norm), a LayerNorm over channels (channel-last) and PoolFormer's norms: a
+    LayerNorm over channels between permutes, then GroupNorm(1, C) of its channels-last output (torch's
+    group_norm asks its layout of an unbacked batch: compat.size_oblivious_group_norm). The stem and the
     frames' Conv1d have 16 output channels: their norms run in
     dpcompile's kernel (dpcompile.conv_sq_norms), the frames' with 8 rows per sample. ``viewed_norm``: an
     instance norm written by hand after the transposed convolution, batch_norm over the batch viewed as channels
@@ -1045,6 +1047,7 @@ class ConvNet(nn.Module):
         self.viewed_norm = viewed_norm
         self.stem = nn.Conv2d(c_in, 16, 3, stride=2, padding=1)  # [16, 4, 4] from 8x8
         self.gn = nn.GroupNorm(2, 16)
+        self.cl_ln, self.cl_gn = nn.LayerNorm(16), nn.GroupNorm(1, 16)
         self.dw = nn.Conv2d(16, 16, 3, padding="same", groups=16, bias=False)
         self.inorm = nn.InstanceNorm2d(16, affine=True)
         self.up = nn.ConvTranspose2d(16, 4, 3, stride=2, padding=1, output_padding=1, groups=2)  # [4, 8, 8]
@@ -1056,6 +1059,7 @@ class ConvNet(nn.Module):
     def forward(self, x):
         B = x.shape[0]
         h = F.relu(self.gn(self.stem(x)))
+        h = h + self.cl_gn(self.cl_ln(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))  # [B, 16, 4, 4] channels-last
         h = h + torch.tanh(self.inorm(self.dw(h)))
         h = self.up(h)  # [B, 4, 8, 8]
         if self.viewed_norm:

@@ -77,10 +77,12 @@ def per_sample_gradients(model, per_sample_loss, inputs, targets, *, forward=Non
         except RuntimeError as exc:  # ops vmap has no batching rule for (nn.LSTM's fused kernels),
             # activation checkpointing (torch.func cannot take its saved-tensor hooks, torch 2.13; nor its
             # _NoopSaveInputs function, 2.11) and Python branches on tensor values (transformers asks whether
-            # an attention mask masks anything), and grid_sample's backward under vmap (torch 2.11: "Expected a
-            # proper Tensor but got None"): the loop
+            # an attention mask masks anything), grid_sample's backward under vmap (torch 2.11: "Expected a
+            # proper Tensor but got None") and group_norm of a channels-last input under vmap of one sample
+            # ("Expected X.is_contiguous(memory_format)", torch 2.11 and 2.13): the loop
             if not any(m in str(exc) for m in ("batch", "shape", "saved tensor hooks", "vmap support",
-                                               "data-dependent control flow", "proper Tensor but got None")):
+                                               "data-dependent control flow", "proper Tensor but got None",
+                                               "is_contiguous(memory_format)")):
                 raise
             return per_sample_gradients(model, per_sample_loss, inputs, targets, forward=forward, loop=True)
     return g

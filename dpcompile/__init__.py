@@ -42,6 +42,7 @@ from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
 from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes_unbacked_batch,  # noqa: E402
+                              cpp_size_questions_size_oblivious,
                               flex_dense_takes_an_empty_batch,
                               integer_equalities_decided,
                               conv_layout_of_an_unbacked_batch, size_oblivious_channels_last,
@@ -49,7 +50,7 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               size_oblivious_log_sigmoid_backward, size_oblivious_logsumexp,
                               size_oblivious_solve_triangular,
                               size_oblivious_nll_loss_nd,
-                              size_oblivious_group_norm, size_oblivious_norm_batch_check, size_oblivious_one_hot,
+                              size_oblivious_norm_batch_check, size_oblivious_one_hot,
                               size_oblivious_prob_cross_entropy,
                               size_oblivious_repeat, size_oblivious_reshape,
                               size_oblivious_cumsum, size_oblivious_fft, size_oblivious_roll,
@@ -142,7 +143,6 @@ _register_if_missing()
 size_oblivious_nll_loss_nd()  # see dpcompile.compat
 size_oblivious_sdpa()
 size_oblivious_global_avg_pool()
-size_oblivious_group_norm()
 size_oblivious_reshape()
 size_oblivious_norm_batch_check()
 size_oblivious_repeat()
@@ -164,6 +164,7 @@ size_oblivious_channels_last()
 conv_layout_of_an_unbacked_batch()  # a convolution's fake output laid out as its kernel's
 conv_backward_layout_as_input()
 uniform_fold_skips_unbacked_guards()
+cpp_size_questions_size_oblivious()
 integer_equalities_decided()
 flex_backward_takes_unbacked_batch()
 flex_dense_takes_an_empty_batch()

@@ -93,14 +93,20 @@ unbacked symbol by a runtime assert (torch 2.13): ``nn.MultiheadAttention``'s he
 batch is 1 (``reshape_indexer_refuses_unbacked_guesses``: such an equality makes the indexer take its
 flattened fallback, exact for every size).
 
+torch's C++ asks of a tensor with an unbacked batch size whether it is empty, and whether its sizes exceed 1,
+before telling its layout (``is_contiguous()``, ``suggest_memory_format``: under ``group_norm``, ``to(...,
+memory_format=...)``, a LayerNorm's backward): a channels-last activation stopped the step
+(``cpp_size_questions_size_oblivious``: such a question from C++ answered size-obliviously, as torch's Python
+answers its own).
+
 An equality of an unbacked size that no integer satisfies (``3*u0 == 1``: a dim that folds the samples with
 something else, asked whether it is 1) is answered false (``integer_equalities_decided``).
 
 ``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
 (``size_oblivious_norm_batch_check``: asked with ``guard_or_false``). Its C++ kernel then asks whether a
-channels-last input (timm's PoolFormer) is channels-last, which guards on whether the batch is empty, and so
-does its autograd formula (``size_oblivious_group_norm``: the same question with an unbacked size taken as
-nonzero).
+channels-last input (timm's PoolFormer) is channels-last, which asks whether the batch is empty, and so does
+its autograd formula (``cpp_size_questions_size_oblivious``: every such question torch's C++ asks of an unbacked
+size, answered as torch's Python answers its own: size-obliviously).
 
 Inductor's joint-graph constant folding asks whether a uniform tensor is contiguous, which guards on an
 unbacked batch size (``uniform_fold_skips_unbacked_guards``: the folding stops there instead of the compile).
@@ -614,84 +620,6 @@ def size_oblivious_global_avg_pool() -> None:
         return op._op_dk(key, self, output_size)  # torch's own
 
     op.py_impl(key)(adaptive_avg_pool2d)
-
-
-def size_oblivious_group_norm() -> None:
-    """``F.group_norm`` of a channels-last input (timm's PoolFormer: a LayerNorm over channels between permutes,
-    then ``GroupNorm(1, C)``) with an unbacked batch size: torch's C++ ``group_norm`` (torch 2.11 and 2.13) asks
-    ``suggest_memory_format``, whose symbolic stride check guards ``Eq(u0, 0)``; dynamo splits the sharded DP
-    step at the norm (stock ``torch.compile`` with ``mark_unbacked`` raises there too). A Python kernel, used
-    only while tracing and only where a size of the input is unbacked, asks the same question with
-    ``channels_last_strides`` (an unbacked size taken as nonzero) and then does what torch's does: the input
-    made contiguous in that format on CPU (contiguous elsewhere), then ``native_group_norm``. Its autograd
-    formula asks the same of the input again, so ``native_group_norm`` gets a Python autograd kernel while
-    tracing with an unbacked size: torch's kernel below autograd, and torch's backward
-    (``native_group_norm_backward`` of the gradient and input in that format) without the question."""
-    import torch
-    from torch._C import DispatchKey
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    op = torch.ops.aten.group_norm.default
-    key = DispatchKey.CompositeImplicitAutograd
-    if key in op.py_kernels:
-        return
-    native = torch.ops.aten.native_group_norm.default
-
-    def memory_format(x):
-        if x.device.type in ("cpu", "privateuseone") and channels_last_strides(x.shape, x.stride()):
-            return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        return torch.contiguous_format
-
-    class _NativeGroupNorm(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, weight, bias, n, c, hw, group, eps):
-            with torch._C._AutoDispatchBelowAutograd():
-                out, mean, rstd = native(x, weight, bias, n, c, hw, group, eps)
-            ctx.save_for_backward(x, weight, mean, rstd)
-            ctx.sizes = n, c, hw, group
-            ctx.mark_non_differentiable(mean, rstd)
-            return out, mean, rstd
-
-        @staticmethod
-        def backward(ctx, grad, _grad_mean, _grad_rstd):
-            x, weight, mean, rstd = ctx.saved_tensors
-            fmt = memory_format(x)
-            mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
-                    ctx.needs_input_grad[2]]
-            dx, dw, db = torch.ops.aten.native_group_norm_backward.default(
-                grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), mean, rstd, weight,
-                *ctx.sizes, mask)
-            return dx, dw, db, None, None, None, None, None
-
-    def native_group_norm(input, weight, bias, n, c, hw, group, eps):
-        if not free_unbacked_symbols(input.shape) or not (
-                input.requires_grad or any(t is not None and t.requires_grad for t in (weight, bias))):
-            return native._op_dk(DispatchKey.Autograd, input, weight, bias, n, c, hw, group, eps)  # torch's own
-        return _NativeGroupNorm.apply(input, weight, bias, n, c, hw, group, eps)
-
-    _autograd_kernel_while_tracing(native, native_group_norm)
-
-    def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
-        if not free_unbacked_symbols(input.shape) or input.dim() < 2:
-            return op._op_dk(key, input, num_groups, weight, bias, eps, cudnn_enabled)  # torch's own
-        n, c = input.shape[0], input.shape[1]
-        torch._check(num_groups > 0, lambda: f"Expected num groups to be greater than 0, got {num_groups}")
-        torch._check(c % num_groups == 0, lambda: "Expected number of channels in input to be divisible by "
-                     f"num_groups, but got input of shape {tuple(input.shape)} and num_groups={num_groups}")
-        for name, t in (("weight", weight), ("bias", bias)):
-            torch._check(t is None or (t.dim() == 1 and t.numel() == c), lambda: f"Expected {name} to be a vector "
-                         f"of size equal to the number of channels in input, but got {name} of shape "
-                         f"{tuple(t.shape)} and input of shape {tuple(input.shape)}")
-        fmt = memory_format(input)
-        hw = 1
-        for s in input.shape[2:]:
-            hw = hw * s
-        x = input.contiguous(memory_format=fmt)
-        gamma = None if weight is None else weight.contiguous()
-        beta = None if bias is None else bias.contiguous()
-        return native(x, gamma, beta, n, c, hw, num_groups, eps)[0]
-
-    op.py_impl(key)(group_norm)
 
 
 def size_oblivious_reshape() -> None:
@@ -1356,6 +1284,50 @@ def integer_equalities_decided() -> None:
         return _maybe_evaluate_static
 
     _wrap_once(ShapeEnv, "_maybe_evaluate_static", wrap)
+
+
+# how many times torch's C++ asked a question of an unbacked size that only a size-oblivious reading answers,
+# by C++ file:line (tests read it)
+CPP_SIZE_OBLIVIOUS_ANSWERS: dict[str, int] = {}
+
+
+def cpp_size_questions_size_oblivious() -> None:
+    """torch's C++ asks of a tensor with symbolic sizes whether it is empty and which sizes exceed 1 before
+    telling its layout: every ``is_contiguous()`` (``numel() == 0``) and ``suggest_memory_format`` (each size
+    ``== 0``, ``> 1``), which ``x.to(dtype, memory_format=...)``, ``group_norm``, ``channel_shuffle`` and
+    kernels' empty-input shortcuts call (torch 2.11 and 2.13). With an unbacked batch size the question raises:
+    a channels-last activation (a model converted with ``model.to(memory_format=torch.channels_last)``, or a
+    LayerNorm over channels between permutes) stopped the step at a ``LayerNorm`` over ``[C, H, W]`` (its
+    backward's decomposition calls ``to(..., memory_format=torch.contiguous_format)``) or at a model's own
+    ``if not x.is_contiguous()``, with stock ``torch.compile`` and ``mark_unbacked`` too. torch's Python checks
+    of the same questions read an unbacked size obliviously (``guard_or_false``, ``guard_size_oblivious``: as if
+    it were at least 2, the general path, which is right for any size). Where torch would raise on a question
+    asked from C++ (a ``.h``/``.cpp`` file; Python's own questions pass an empty file name), this asks the shape
+    environment the same question size-obliviously and returns its answer if it has one: ``numel() == 0`` is
+    false, ``size > 1`` true. No guard and no runtime assert: a rank with no samples, or one, runs the same
+    graph. Any other question, and any question torch answers, is torch's."""
+    try:
+        from torch.fx.experimental.sym_node import SymNode
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    except ImportError:  # pragma: no cover
+        return
+
+    def wrap(original):
+        def guard_bool(self, file, line):
+            try:
+                return original(self, file, line)
+            except GuardOnDataDependentSymNode:
+                if not str(file).endswith((".h", ".cpp", ".cc")):
+                    raise
+                answer = self.shape_env._maybe_evaluate_static(self.expr, size_oblivious=True)
+                if answer is None or not answer.is_Boolean:
+                    raise
+                key = f"{str(file).rsplit('/', 1)[-1]}:{line}"
+                CPP_SIZE_OBLIVIOUS_ANSWERS[key] = CPP_SIZE_OBLIVIOUS_ANSWERS.get(key, 0) + 1
+                return bool(answer)
+        return guard_bool
+
+    _wrap_once(SymNode, "guard_bool", wrap)
 
 
 def uniform_fold_skips_unbacked_guards() -> None:

@@ -168,6 +168,10 @@ SMALL_LAYER_CASES = {
     # every convolution form, GroupNorm, InstanceNorm, LayerNorm over channels (tests/test_convolution.py
     # has each form alone, with both per-sample norm forms)
     "conv_kinds": Case(lambda: M.ConvNet(), lambda B: ((torch.randn(B, 3, 8, 8),), (torch.randn(B, 3),)), M.mse),
+    # a conv net converted to channels-last with channels-last images (what vision users run on GPUs)
+    "convnet_channels_last": Case(lambda: M.ChannelsLastNet().to(memory_format=torch.channels_last),
+                                  lambda B: ((torch.randn(B, 3, 8, 8).contiguous(memory_format=torch.channels_last),),
+                                             (torch.randn(B, 3),)), M.mse),
 }
 LAYER_CASES = {
     **SMALL_LAYER_CASES,

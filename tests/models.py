@@ -1035,7 +1035,7 @@ class ConvNet(nn.Module):
     sample), a Conv3d, an affine InstanceNorm (a DP step computes it as group_norm with a group per channel:
     any batch size, dpcompile.instance_norm), a LayerNorm over channels (channel-last) and PoolFormer's norms: a
     LayerNorm over channels between permutes, then GroupNorm(1, C) of its channels-last output (torch's
-    group_norm asks its layout of an unbacked batch: compat.size_oblivious_group_norm). The stem and the
+    group_norm asks whether an unbacked batch is empty: compat.cpp_size_questions_size_oblivious). The stem and the
     frames' Conv1d have 16 output channels: their norms run in
     dpcompile's kernel (dpcompile.conv_sq_norms), the frames' with 8 rows per sample. ``viewed_norm``: an
     instance norm written by hand after the transposed convolution, batch_norm over the batch viewed as channels
@@ -1069,6 +1069,29 @@ class ConvNet(nn.Module):
         h = rows.reshape(B, 8, 16, 8).permute(0, 2, 1, 3)  # [B, 16, 8, 8]
         v = self.vol(torch.tanh(h).unsqueeze(1))  # [B, 2, 15, 3, 3]
         return self.head(v.flatten(1))
+
+
+class ChannelsLastNet(nn.Module):
+    """A conv net as vision users run it on GPUs: converted with ``model.to(memory_format=torch.channels_last)``
+    and fed channels-last images, so every activation is channels-last. It asks its layout
+    (``is_contiguous()``), and normalises with GroupNorm and a LayerNorm over [C, H, W]: torch's C++ asks each
+    whether an unbacked batch is empty (``compat.cpp_size_questions_size_oblivious``)."""
+
+    def __init__(self, d_out=3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.ln = nn.LayerNorm([8, 8, 8])
+        self.head = nn.Linear(8 * 2 * 2, d_out)
+
+    def forward(self, x):
+        h = F.gelu(self.gn(self.stem(x)))
+        h = h + self.dw(h)
+        if not h.is_contiguous():  # a layout question in model code (the same values either way)
+            h = h.contiguous()
+        h = F.gelu(self.ln(h))
+        return self.head(F.adaptive_avg_pool2d(h, 2).flatten(1))
 
 
 def allow_flex_backward_on_cpu() -> None:

@@ -561,6 +561,42 @@ def test_fake_convolution_with_an_unbacked_batch_is_laid_out_as_its_kernel():
             fake_impls.op_implementations_dict[conv] = fixed
             FakeTensorMode.cache_clear()
 
+
+def test_cpp_size_questions_of_an_unbacked_batch_are_answered_size_obliviously():
+    """cpp_size_questions_size_oblivious: torch's C++ asks whether a channels-last tensor with an unbacked
+    batch is empty (is_contiguous) and how its sizes compare with 0 and 1 (suggest_memory_format, under
+    to(memory_format=...)); each is answered as torch's Python answers it, counted by C++ file:line. Python's
+    own question of the same size still raises, and torch's own guard_bool raises on the C++ ones."""
+    from torch.fx.experimental.sym_node import SymNode
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile import compat
+
+    def ask(fn):
+        env = ShapeEnv()
+        with FakeTensorMode(shape_env=env):
+            u = env.create_unbacked_symint()
+            torch._check_is_size(u)  # as dynamo's mark_unbacked makes the batch size
+            return fn(torch.empty_strided((u, 8, 4, 4), (128, 1, 32, 8)), u)
+
+    before = sum(compat.CPP_SIZE_OBLIVIOUS_ANSWERS.values())
+    assert ask(lambda x, u: x.is_contiguous()) is False  # the empty case aside: channels-last, not contiguous
+    assert ask(lambda x, u: x.is_contiguous(memory_format=torch.channels_last)) is True
+    assert ask(lambda x, u: list(x.to(torch.float32, memory_format=torch.contiguous_format).stride()[1:])) == [16, 4, 1]
+    assert sum(compat.CPP_SIZE_OBLIVIOUS_ANSWERS.values()) >= before + 2
+    assert all(".h:" in k or ".cpp:" in k for k in compat.CPP_SIZE_OBLIVIOUS_ANSWERS), compat.CPP_SIZE_OBLIVIOUS_ANSWERS
+    with pytest.raises(GuardOnDataDependentSymNode):
+        ask(lambda x, u: bool(u == 0))  # a question from Python: torch's
+    wrapped = SymNode.guard_bool
+    SymNode.guard_bool = wrapped._dpcompile_original
+    try:
+        with pytest.raises(GuardOnDataDependentSymNode):
+            ask(lambda x, u: x.is_contiguous())
+    finally:
+        SymNode.guard_bool = wrapped
+
+
 def _attention_step(schedule, batches=(3, 1)):
     """torch.nn.MultiheadAttention (batch_first: it works on [T, B, E] inside, heads split by a view to
     [T, B * heads, E / heads]) in a DP step with the batch unbacked, exact against the oracle for each batch."""

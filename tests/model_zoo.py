@@ -792,6 +792,9 @@ def _build(name: str, dtype: torch.dtype):
     model = make().train().to(dtype)
     inputs, targets = data()
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+    if os.environ.get("ZOO_CHANNELS_LAST"):  # --channels-last: how vision users run a conv net on GPUs
+        model = model.to(memory_format=torch.channels_last)
+        inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in inputs)
     return model, loss, inputs, targets
 
 
@@ -913,9 +916,13 @@ def main() -> int:
     # with 4-group GroupNorm: 1e-4 of a gradient's scale) is not mistaken for an error
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     ap.add_argument("--shard", type=int, default=0, metavar="N", help="run sharded on N gloo processes")
+    ap.add_argument("--channels-last", action="store_true",
+                    help="the model converted with model.to(memory_format=torch.channels_last), 4-d inputs channels-last")
     ap.add_argument("--disable-passes", default="", metavar="A,B",
                     help="optional passes to skip (the option disable_passes): is a failure theirs?")
     args = ap.parse_args()
+    if args.channels_last:
+        os.environ["ZOO_CHANNELS_LAST"] = "1"  # (read by _build, in the sharded ranks too)
     names = list(MODELS) if args.models == "all" else args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:

@@ -42,7 +42,7 @@ from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
 from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes_unbacked_batch,  # noqa: E402
-                              cpp_size_questions_size_oblivious,
+                              cpp_size_questions_size_oblivious, dynamo_config_logging_takes_functions,
                               flex_dense_takes_an_empty_batch,
                               integer_equalities_decided,
                               conv_layout_of_an_unbacked_batch, size_oblivious_channels_last,
@@ -165,6 +165,7 @@ conv_layout_of_an_unbacked_batch()  # a convolution's fake output laid out as it
 conv_backward_layout_as_input()
 uniform_fold_skips_unbacked_guards()
 cpp_size_questions_size_oblivious()
+dynamo_config_logging_takes_functions()
 integer_equalities_decided()
 flex_backward_takes_unbacked_batch()
 flex_dense_takes_an_empty_batch()

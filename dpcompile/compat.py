@@ -1330,6 +1330,29 @@ def cpp_size_questions_size_oblivious() -> None:
     _wrap_once(SymNode, "guard_bool", wrap)
 
 
+def dynamo_config_logging_takes_functions() -> None:
+    """dynamo logs its settings with every compile's metrics, sorting each set-valued setting; torch 2.11 leaves
+    ``ignore_logging_functions`` (the new name of ``ignore_logger_methods``) off its list of sets not to log,
+    so once it holds functions (a DP step's frames ignore transformers' logging calls: step_frames) the sort
+    raised and every compile logged "Unexpected exception logging compilation metrics" with a traceback. The
+    settings' entry of the metrics is then left out (None, as torch does where it has none); torch 2.13
+    skips that set itself."""
+    try:
+        from torch._dynamo import utils as dynamo_utils
+    except ImportError:  # pragma: no cover
+        return
+
+    def wrap(original):
+        def _get_dynamo_config_for_logging():
+            try:
+                return original()
+            except TypeError:  # a set of functions cannot be sorted
+                return None
+        return _get_dynamo_config_for_logging
+
+    _wrap_once(dynamo_utils, "_get_dynamo_config_for_logging", wrap)
+
+
 def uniform_fold_skips_unbacked_guards() -> None:
     """Inductor's joint-graph pass ``constant_fold_uniform_value`` replaces a tensor of one repeated value by a
     ``full`` call, after asking whether it is contiguous; for a tensor with an unbacked batch size (BART's and

@@ -952,3 +952,19 @@ def test_cpu_vector_strides_of_an_unbacked_index_are_expanded_not_simplified(mon
         assert stride.subs(p) == expected[u0].subs(p), (stride, expected[u0], p)
     assert sizevars.stride_at_vec_range(index(s0), x, 16) == expected[s0] and simplified  # the stock path
     forget()
+
+
+def test_dynamo_logs_its_settings_while_a_dp_step_ignores_logging_calls():
+    """compat.dynamo_config_logging_takes_functions: inside a DP step's frame dynamo ignores logging functions
+    (a set of functions in its settings), and torch 2.11's metrics logging sorted that set and raised at every
+    compile (an error and a traceback in the log)."""
+    from torch._dynamo import utils as dynamo_utils
+
+    from dpcompile.step_frames import dp_frame_settings
+
+    cfg = torch._dynamo.config
+    name = "ignore_logging_functions" if hasattr(cfg, "ignore_logging_functions") else "ignore_logger_methods"
+    with dp_frame_settings():
+        assert len(getattr(cfg, name)) >= 2  # functions that cannot be sorted among themselves
+        logged = dynamo_utils._get_dynamo_config_for_logging()
+    assert logged is None or isinstance(logged, str)

@@ -41,8 +41,9 @@ from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.checkpoint import Checkpointer  # noqa: E402
 from dpcompile.bucketing import bucket_collectives  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
+from dpcompile import cpp_size_questions  # noqa: E402
 from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes_unbacked_batch,  # noqa: E402
-                              cpp_size_questions_size_oblivious, dynamo_config_logging_takes_functions,
+                              dynamo_config_logging_takes_functions,
                               flex_dense_takes_an_empty_batch,
                               integer_equalities_decided,
                               conv_layout_of_an_unbacked_batch, size_oblivious_channels_last,
@@ -164,7 +165,7 @@ size_oblivious_channels_last()
 conv_layout_of_an_unbacked_batch()  # a convolution's fake output laid out as its kernel's
 conv_backward_layout_as_input()
 uniform_fold_skips_unbacked_guards()
-cpp_size_questions_size_oblivious()
+cpp_size_questions.install()  # C++'s questions of an unbacked size (dpcompile/cpp_size_questions.py)
 dynamo_config_logging_takes_functions()
 integer_equalities_decided()
 flex_backward_takes_unbacked_batch()

@@ -96,7 +96,7 @@ flattened fallback, exact for every size).
 torch's C++ asks of a tensor with an unbacked batch size whether it is empty, and whether its sizes exceed 1,
 before telling its layout (``is_contiguous()``, ``suggest_memory_format``: under ``group_norm``, ``to(...,
 memory_format=...)``, a LayerNorm's backward): a channels-last activation stopped the step
-(``cpp_size_questions_size_oblivious``: such a question from C++ answered size-obliviously, as torch's Python
+(``dpcompile.cpp_size_questions``: such a question from C++ answered size-obliviously, as torch's Python
 answers its own).
 
 An equality of an unbacked size that no integer satisfies (``3*u0 == 1``: a dim that folds the samples with
@@ -105,7 +105,7 @@ something else, asked whether it is 1) is answered false (``integer_equalities_d
 ``F.group_norm``'s check for one value per channel asks ``size_prods == 1`` of an unbacked size
 (``size_oblivious_norm_batch_check``: asked with ``guard_or_false``). Its C++ kernel then asks whether a
 channels-last input (timm's PoolFormer) is channels-last, which asks whether the batch is empty, and so does
-its autograd formula (``cpp_size_questions_size_oblivious``: every such question torch's C++ asks of an unbacked
+its autograd formula (``dpcompile.cpp_size_questions``: every such question torch's C++ asks of an unbacked
 size, answered as torch's Python answers its own: size-obliviously).
 
 Inductor's joint-graph constant folding asks whether a uniform tensor is contiguous, which guards on an
@@ -1284,50 +1284,6 @@ def integer_equalities_decided() -> None:
         return _maybe_evaluate_static
 
     _wrap_once(ShapeEnv, "_maybe_evaluate_static", wrap)
-
-
-# how many times torch's C++ asked a question of an unbacked size that only a size-oblivious reading answers,
-# by C++ file:line (tests read it)
-CPP_SIZE_OBLIVIOUS_ANSWERS: dict[str, int] = {}
-
-
-def cpp_size_questions_size_oblivious() -> None:
-    """torch's C++ asks of a tensor with symbolic sizes whether it is empty and which sizes exceed 1 before
-    telling its layout: every ``is_contiguous()`` (``numel() == 0``) and ``suggest_memory_format`` (each size
-    ``== 0``, ``> 1``), which ``x.to(dtype, memory_format=...)``, ``group_norm``, ``channel_shuffle`` and
-    kernels' empty-input shortcuts call (torch 2.11 and 2.13). With an unbacked batch size the question raises:
-    a channels-last activation (a model converted with ``model.to(memory_format=torch.channels_last)``, or a
-    LayerNorm over channels between permutes) stopped the step at a ``LayerNorm`` over ``[C, H, W]`` (its
-    backward's decomposition calls ``to(..., memory_format=torch.contiguous_format)``) or at a model's own
-    ``if not x.is_contiguous()``, with stock ``torch.compile`` and ``mark_unbacked`` too. torch's Python checks
-    of the same questions read an unbacked size obliviously (``guard_or_false``, ``guard_size_oblivious``: as if
-    it were at least 2, the general path, which is right for any size). Where torch would raise on a question
-    asked from C++ (a ``.h``/``.cpp`` file; Python's own questions pass an empty file name), this asks the shape
-    environment the same question size-obliviously and returns its answer if it has one: ``numel() == 0`` is
-    false, ``size > 1`` true. No guard and no runtime assert: a rank with no samples, or one, runs the same
-    graph. Any other question, and any question torch answers, is torch's."""
-    try:
-        from torch.fx.experimental.sym_node import SymNode
-        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-    except ImportError:  # pragma: no cover
-        return
-
-    def wrap(original):
-        def guard_bool(self, file, line):
-            try:
-                return original(self, file, line)
-            except GuardOnDataDependentSymNode:
-                if not str(file).endswith((".h", ".cpp", ".cc")):
-                    raise
-                answer = self.shape_env._maybe_evaluate_static(self.expr, size_oblivious=True)
-                if answer is None or not answer.is_Boolean:
-                    raise
-                key = f"{str(file).rsplit('/', 1)[-1]}:{line}"
-                CPP_SIZE_OBLIVIOUS_ANSWERS[key] = CPP_SIZE_OBLIVIOUS_ANSWERS.get(key, 0) + 1
-                return bool(answer)
-        return guard_bool
-
-    _wrap_once(SymNode, "guard_bool", wrap)
 
 
 def dynamo_config_logging_takes_functions() -> None:

@@ -1035,7 +1035,7 @@ class ConvNet(nn.Module):
     sample), a Conv3d, an affine InstanceNorm (a DP step computes it as group_norm with a group per channel:
     any batch size, dpcompile.instance_norm), a LayerNorm over channels (channel-last) and PoolFormer's norms: a
     LayerNorm over channels between permutes, then GroupNorm(1, C) of its channels-last output (torch's
-    group_norm asks whether an unbacked batch is empty: compat.cpp_size_questions_size_oblivious). The stem and the
+    group_norm asks whether an unbacked batch is empty: dpcompile.cpp_size_questions). The stem and the
     frames' Conv1d have 16 output channels: their norms run in
     dpcompile's kernel (dpcompile.conv_sq_norms), the frames' with 8 rows per sample. ``viewed_norm``: an
     instance norm written by hand after the transposed convolution, batch_norm over the batch viewed as channels
@@ -1075,7 +1075,7 @@ class ChannelsLastNet(nn.Module):
     """A conv net as vision users run it on GPUs: converted with ``model.to(memory_format=torch.channels_last)``
     and fed channels-last images, so every activation is channels-last. It asks its layout
     (``is_contiguous()``), and normalises with GroupNorm and a LayerNorm over [C, H, W]: torch's C++ asks each
-    whether an unbacked batch is empty (``compat.cpp_size_questions_size_oblivious``)."""
+    whether an unbacked batch is empty (``dpcompile.cpp_size_questions``)."""
 
     def __init__(self, d_out=3):
         super().__init__()

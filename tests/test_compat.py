@@ -563,15 +563,16 @@ def test_fake_convolution_with_an_unbacked_batch_is_laid_out_as_its_kernel():
 
 
 def test_cpp_size_questions_of_an_unbacked_batch_are_answered_size_obliviously():
-    """cpp_size_questions_size_oblivious: torch's C++ asks whether a channels-last tensor with an unbacked
-    batch is empty (is_contiguous) and how its sizes compare with 0 and 1 (suggest_memory_format, under
+    """dpcompile.cpp_size_questions: torch's C++ asks whether a channels-last tensor with an unbacked batch is
+    empty (is_contiguous) and how its sizes compare with 0 and 1 (suggest_memory_format, under
     to(memory_format=...)); each is answered as torch's Python answers it, counted by C++ file:line. Python's
-    own question of the same size still raises, and torch's own guard_bool raises on the C++ ones."""
+    own question of the same size still raises, naming the asking line, not the wrapper; torch's own guard_bool
+    raises on the C++ ones."""
     from torch.fx.experimental.sym_node import SymNode
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dpcompile import compat
+    from dpcompile import cpp_size_questions
 
     def ask(fn):
         env = ShapeEnv()
@@ -580,14 +581,15 @@ def test_cpp_size_questions_of_an_unbacked_batch_are_answered_size_obliviously()
             torch._check_is_size(u)  # as dynamo's mark_unbacked makes the batch size
             return fn(torch.empty_strided((u, 8, 4, 4), (128, 1, 32, 8)), u)
 
-    before = sum(compat.CPP_SIZE_OBLIVIOUS_ANSWERS.values())
+    before = sum(cpp_size_questions.ANSWERS.values())
     assert ask(lambda x, u: x.is_contiguous()) is False  # the empty case aside: channels-last, not contiguous
     assert ask(lambda x, u: x.is_contiguous(memory_format=torch.channels_last)) is True
     assert ask(lambda x, u: list(x.to(torch.float32, memory_format=torch.contiguous_format).stride()[1:])) == [16, 4, 1]
-    assert sum(compat.CPP_SIZE_OBLIVIOUS_ANSWERS.values()) >= before + 2
-    assert all(".h:" in k or ".cpp:" in k for k in compat.CPP_SIZE_OBLIVIOUS_ANSWERS), compat.CPP_SIZE_OBLIVIOUS_ANSWERS
-    with pytest.raises(GuardOnDataDependentSymNode):
+    assert sum(cpp_size_questions.ANSWERS.values()) >= before + 2
+    assert all(".h:" in k or ".cpp:" in k for k in cpp_size_questions.ANSWERS), cpp_size_questions.ANSWERS
+    with pytest.raises(GuardOnDataDependentSymNode) as raised:
         ask(lambda x, u: bool(u == 0))  # a question from Python: torch's
+    assert "test_compat.py" in str(raised.value) and "cpp_size_questions" not in str(raised.value)
     wrapped = SymNode.guard_bool
     SymNode.guard_bool = wrapped._dpcompile_original
     try:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+from dpcompile.compat import _wrap_once
+
 # how many times torch's C++ asked a question of an unbacked size that only a size-oblivious reading answers,
 # by C++ file:line (tests read it)
 ANSWERS: dict[str, int] = {}
@@ -36,8 +38,6 @@ def install() -> None:
         from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     except ImportError:  # pragma: no cover
         return
-
-    from dpcompile.compat import _wrap_once
 
     def wrap(original):
         def guard_bool(self, file, line):
@@ -63,8 +63,6 @@ def _not_user_code(symbolic_shapes) -> None:
     own files (``uninteresting_files()``, a cached set) or outside its directory (``_find_user_code_frame``): the
     wrappers' frames sit between, and would be named instead of the model's line."""
     import torch
-
-    from dpcompile.compat import _wrap_once
 
     files = getattr(symbolic_shapes, "uninteresting_files", None)
     if files is not None:

@@ -42,15 +42,11 @@ GENERIC_ADVICE = (
     "raises at the first), or move the code that breaks out of the step"
 )
 
-# Ops whose checks of the batch size against 0 (in C++ or meta code) an unbacked batch size (dpcompile.mark_batch,
+# Ops whose checks of the batch size against 0 in Python meta code an unbacked batch size (dpcompile.mark_batch,
 # Poisson sampling, sharded steps) cannot answer: dynamo breaks the graph there. Matched on the break's stack.
+# (Such checks in C++ are answered: dpcompile.cpp_size_questions; an InstanceNorm with running statistics is then
+# refused naming the buffer it would write.)
 _UNBACKED_BATCH_ADVICE = {
-    "instance_norm": "nn.InstanceNorm with running statistics in training mode (track_running_stats=True) "
-                     "averages the samples' statistics into its buffers, which dpcompile cannot privatise, and its "
-                     "batch_norm checks the batch size against 0, which a batch size unknown at compile time "
-                     "(dpcompile.mark_batch, Poisson sampling, sharded steps) cannot answer: use it with "
-                     "track_running_stats=False (the default; a DP step computes it per sample, dpcompile."
-                     "instance_norm), or nn.GroupNorm(C, C), the same function",
     "reflection_pad": "torch < 2.13's reflection padding checks the batch size against 0, which a batch size "
                       "unknown at compile time (dpcompile.mark_batch, Poisson sampling, sharded steps) cannot "
                       "answer: use torch >= 2.13, or another padding mode",

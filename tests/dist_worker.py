@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 import cases
 import dpcompile
 import models as M
-from reference import clip_and_sum, dp_reference, per_sample_gradients
+from reference import clip_and_sum, dp_reference, per_sample_gradients, replayed_per_sample_gradients
 
 
 _SHARED_GROUP = [False]  # dist_worker.jobs is running: one process group for all of its test bodies
@@ -505,6 +505,81 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
         except Exception:  # noqa: BLE001 - reported to the test
             results[f"{loss}-{schedule}"] = {"error": traceback.format_exc()[-3000:]}
     with open(os.path.join(out_dir, f"ce{rank}.json"), "w") as f:
+        json.dump(results, f)
+    _finish()
+
+
+def dropout(rank, world, init_file, out_dir):
+    """models.DropoutLM sharded (test_dropout's model): per-rank batches SHARDED_STEPS, each step seeded per rank
+    and step; every rank's gathered gradient against the replayed oracle (reference.replayed_per_sample_gradients
+    on each rank's own batch and seed, the clipped sums added over the ranks). bk op by op with
+    torch.compile, ghost through Inductor (fallback_random: torch's random ops) with private_step."""
+    import json
+    import traceback
+
+    from test_dropout import VOCAB, batches_of, token_ce
+
+    mesh = _init(rank, world, init_file)
+    results = {}
+    for schedule, form, compiler in (("bk", "compile", "eager"), ("ghost", "private_step", "inductor")):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = M.DropoutLM(VOCAB).double().train()
+        ref_model = copy.deepcopy(model)
+        steps = [(sizes, batches_of([sum(sizes)])[0][1:]) for sizes in SHARDED_STEPS]
+        seed_of = [1000 * i + 17 * rank for i in range(len(steps))]
+
+        def local(i):
+            sizes, (x, y) = steps[i]
+            lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+            return x[lo:hi].clone(), y[lo:hi].clone()
+
+        norms = []  # C: the median of every rank's per-sample norms of every step
+        for i in range(len(steps)):
+            x, y = local(i)
+            g = replayed_per_sample_gradients(ref_model, token_ce, (x,), (y,), seed=seed_of[i])
+            norms += clip_and_sum(g, max_grad_norm=1.0, expected_batch_size=9)[1].tolist() if len(x) else []
+        every = [None] * world
+        dist.all_gather_object(every, norms)
+        C = float(torch.tensor(sum(every, [])).median())
+        shard_like_a_user(model, mesh)
+        options = dict(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=9, schedule=schedule,
+                       compiler=compiler)
+
+        def step(x, y):
+            loss = token_ce(model(x), y).mean()
+            loss.backward()
+            return loss.detach()
+
+        fn = torch.compile(step, backend="dp_fsdp", options=options) if form == "compile" else \
+            dpcompile.private_step(step, **options)
+        key = f"{schedule}-{form}-{compiler}"
+        try:
+            clipped = unclipped = 0
+            with torch._inductor.config.patch(fallback_random=True):
+                for i in range(len(steps)):
+                    x, y = local(i)
+                    model.zero_grad(set_to_none=True)
+                    torch.manual_seed(seed_of[i])
+                    fn(x, y)
+                    ref = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in ref_model.named_parameters()}
+                    if len(x):
+                        g = replayed_per_sample_gradients(ref_model, token_ce, (x,), (y,), seed=seed_of[i])
+                        ref, n = clip_and_sum(g, max_grad_norm=C, expected_batch_size=9)
+                        clipped, unclipped = clipped + int((n > C).sum()), unclipped + int((n < C).sum())
+                    for name in sorted(ref):  # the oracle of the whole batch: the ranks' clipped sums added
+                        dist.all_reduce(ref[name])
+                    for name, p in model.named_parameters():
+                        full = p.grad.full_tensor().double()
+                        torch.testing.assert_close(full, ref[name], rtol=1e-5,
+                                                   atol=1e-7 + 1e-6 * float(ref[name].abs().max()),
+                                                   msg=lambda m: f"step {i} {steps[i][0]} {name}: {m}")
+            backend = dpcompile.get_backend(options) if form == "compile" else fn.dp_backend
+            results[key] = {"error": None, "dp_graphs": sum(1 for r in backend.compiled if r.dp),
+                            "clipped": clipped, "unclipped": unclipped}
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[key] = {"error": traceback.format_exc()[-3000:]}
+    with open(os.path.join(out_dir, f"dropout{rank}.json"), "w") as f:
         json.dump(results, f)
     _finish()
 

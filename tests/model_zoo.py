@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib
 import json
 import os
 import sys
@@ -129,6 +130,16 @@ def timm_model(name: str, size: int = 32, **kw):
         return timm.create_model(name, pretrained=False, num_classes=3, **kw)
 
     return make, lambda: ((torch.randn(B, 3, size, size),), (labels(),)), class_ce
+
+
+def timm_class(path: str, size: int = 32, **kw):
+    """timm's model class ``path`` (module.Class under timm.models) built directly: for a family whose registered
+    configurations fix the arguments the zoo shrinks."""
+    def make():
+        module, name = path.rsplit(".", 1)
+        return getattr(importlib.import_module(f"timm.models.{module}"), name)(num_classes=3, **kw)
+
+    return make, timm_model(path, size)[1], class_ce
 
 
 def group_norm():
@@ -568,6 +579,33 @@ MODELS = {
     "timm_twins": timm_model("twins_pcpvt_small", depths=(1, 1, 1, 1), embed_dims=(8, 16, 16, 16),
                              num_heads=(1, 1, 1, 1)),
     "timm_hiera": timm_model("hiera_tiny_224", img_size=32, embed_dim=8, num_heads=1, stages=(1, 1, 1, 1)),
+    # the 65th session's timm families: an LSTM mixer, pooling attention, outlook-free MLPs, two-branch and
+    # nested transformers, conv-attention, cosine window attention with a position-bias MLP, gated conv blocks
+    "timm_sequencer": timm_model("sequencer2d_s", layers=(1, 1, 1, 1), patch_sizes=(4, 2, 1, 1),
+                                 embed_dims=(8, 8, 16, 16), hidden_sizes=(4, 4, 8, 8), mlp_ratios=(2, 2, 2, 2)),
+    "timm_mvitv2": timm_model("mvitv2_tiny", img_size=32),
+    "timm_resmlp": timm_class("mlp_mixer.MlpMixer", 16, img_size=16, patch_size=4, embed_dim=16, num_blocks=1,
+                              block_layer=lambda *a, **k: timm().models.mlp_mixer.ResBlock(*a, init_values=1e-4, **k),
+                              stem_norm=False, mlp_ratio=4),
+    "timm_gmlp": timm_class("mlp_mixer.MlpMixer", 16, img_size=16, patch_size=4, embed_dim=16, num_blocks=1,
+                            block_layer=lambda *a, **k: timm().models.mlp_mixer.SpatialGatingBlock(*a, **k),
+                            mlp_layer=lambda *a, **k: timm().layers.GatedMlp(*a, **k), mlp_ratio=6),
+    "timm_crossvit": timm_model("crossvit_tiny_240", img_size=(32, 32), patch_size=(8, 16), embed_dim=(16, 32),
+                                depth=((1, 1, 0),), num_heads=(2, 2), crop_scale=False),
+    "timm_tnt": timm_model("tnt_s_patch16_224", 16, img_size=16, patch_size=8, embed_dim=16, inner_dim=8, depth=1,
+                           num_heads_inner=1, num_heads_outer=2, first_stride=4),
+    "timm_pit": timm_model("pit_ti_224", img_size=32, patch_size=8, stride=4, base_dims=(8, 8, 8), depth=(1, 1, 1),
+                           heads=(1, 2, 2)),
+    "timm_nest": timm_class("nest.Nest", img_size=32, patch_size=4, embed_dims=(8, 16, 16), num_heads=(1, 2, 2),
+                            depths=(1, 1, 1), drop_path_rate=0.0),
+    "timm_coat": timm_model("coat_lite_tiny", img_size=32, embed_dims=(16, 16, 16, 16), serial_depths=(1, 1, 1, 1),
+                            num_heads=8, mlp_ratios=(2, 2, 2, 2)),
+    "timm_swinv2": timm_model("swinv2_tiny_window8_256", img_size=32, patch_size=4, window_size=4, embed_dim=8,
+                              depths=(1, 1), num_heads=(1, 2), drop_path_rate=0.0),
+    "timm_mambaout": timm_model("mambaout_femto", depths=(1, 1, 1, 1), dims=(8, 8, 16, 16)),
+    # two blocks a stage: the second reads the stage's global query tokens (with one, their layers are unused)
+    "timm_gcvit": timm_class("gcvit.GlobalContextVit", 64, img_size=64, depths=(2, 2), num_heads=(1, 2),
+                             window_ratio=(8, 16), embed_dim=8),
     # the 53rd session's sweep of transformers 5.24: state-space and hybrid LMs, routed experts in the batched
     # form, more decoders, encoder-decoders, encoders, vision and audio models
     "mamba2": hf("Mamba2Config", "Mamba2ForCausalLM", "lm", hidden_size=16, num_heads=4, head_dim=8, expand=2,

@@ -1201,3 +1201,35 @@ def flex_document_mask(ids, T=8):
         return (docs[b, qi] == docs[b, kv]) & (qi >= kv)
 
     return create_block_mask(same_document, ids.shape[0], None, T, T, device=ids.device)
+
+
+class DropoutLM(nn.Module):
+    """A GPT-2-style LM trained with its dropouts on, as users train: dropout after the embedding, in SDPA's
+    attention weights, on both residual branches and in the MLP (nn.Dropout and F.dropout), a per-sample drop
+    path (timm's DropPath: one Bernoulli draw per sample, the branch scaled by 1/keep) and nn.Dropout1d (whole
+    channels of a sample). The oracle replays the step's draws (reference.replayed_per_sample_gradients)."""
+
+    def __init__(self, vocab=13, d=8, n_head=2, p=0.25):
+        super().__init__()
+        self.n_head, self.p = n_head, p
+        self.emb = nn.Embedding(vocab, d)
+        self.drop = nn.Dropout(p)
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(2 * d, d)
+        self.channels = nn.Dropout1d(p)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.drop(self.emb(ids))
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, T, -1)))
+        h = F.dropout(F.gelu(self.fc(self.ln2(x))), self.p, self.training)
+        keep = x.new_empty(B, 1, 1).bernoulli_(1 - self.p) / (1 - self.p) if self.training else 1.0
+        x = x + self.out(h) * keep
+        return self.head(self.channels(x.transpose(1, 2)).transpose(1, 2))

@@ -99,3 +99,20 @@ def clip_and_sum(g: dict, *, max_grad_norm: float, reduction: str = "mean", expe
     clipped = {n: torch.einsum("b,b...->...", c, torch.where(keep.view(-1, *[1] * (v.dim() - 1)), v, 0.0)) * k
                for n, v in g.items()}
     return clipped, norms
+
+
+def replayed_per_sample_gradients(model, per_sample_loss, inputs, targets, *, seed: int) -> dict:
+    """Per-sample gradients [B, *shape] (float64) of a model that draws random numbers in its forward (dropout):
+    sample i's gradient is that of its own loss in a forward of the whole batch with torch's generator seeded
+    ``seed``, one forward and backward per sample, so that each sample sees the masks a step seeded alike draws
+    (vmap, or a forward per sample, would draw others). The model runs in its own dtype: draws depend on it."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    g: dict = {k: [] for k in params}
+    B = inputs[0].shape[0]
+    for i in range(B):
+        torch.manual_seed(seed)
+        loss = per_sample_loss(model(*inputs), *targets)[i]
+        for k, t in zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
+            g[k].append(torch.zeros_like(params[k]) if t is None else t)
+    return {k: torch.stack(v).double() if v else params[k].new_zeros(0, *params[k].shape).double()
+            for k, v in g.items()}

@@ -113,6 +113,7 @@ RANKS = SharedRanks("ranks", {
     "unmarked": (1, "unmarked_batch", {}),
     "cross_entropy_mean": (1, "cross_entropy_mean", {}),
     "ctc_loss": (1, "ctc_loss_sharded", {}),
+    "dropout": (0, "dropout", {}),
     # FSDP2's other ways to call fully_shard (dist_worker._sharded_case's flags)
     "placements": (1, "every_case", dict(runs=[("gpt", "bk", "compile+eager+last_dim+lists"),
                                                ("vision_blocks", "ghost", "private_step+eager+last_dim+no_mesh")])),
@@ -266,6 +267,21 @@ def test_whole_batch_means_sharded(shared_ranks):
             assert r["error"] is None, f"rank {rank} {run}:\n{r['error']}"
             counter = BATCH_MEANS[run.split("-")[0]][2]
             assert r["counters"][counter] == 1, r["counters"]
+
+
+@_ranks("dropout")
+def test_dropout_sharded(shared_ranks):
+    """models.DropoutLM's dropouts and per-sample drop path sharded on 2 ranks, per-rank batches (0, 3), (1, 4),
+    (5, 3), (0, 0) through one graph, each rank seeded per step: every rank's gathered gradient equals the
+    replayed oracle of the whole batch (dist_worker.dropout), bk op by op and ghost through Inductor."""
+    ranks = _read(shared_ranks(RANKS, "dropout"), prefix="dropout")
+    for rank, results in enumerate(ranks):
+        assert set(results) == {"bk-compile-eager", "ghost-private_step-inductor"}, results
+        for key, r in results.items():
+            assert r["error"] is None, f"rank {rank} {key}:\n{r['error']}"
+            assert r["dp_graphs"] == 1, r
+    for key in ranks[0]:  # clipping active: some samples above C, some below, over both ranks
+        assert sum(r[key]["clipped"] for r in ranks) and sum(r[key]["unclipped"] for r in ranks), ranks
 
 
 @_ranks("ctc_loss")

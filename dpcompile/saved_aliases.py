@@ -18,7 +18,8 @@ Two measures, both exact whatever the layouts:
 
 - ``merge_identical_saved_values``: a saved value computed by the same op
   from the same inputs as an earlier saved value (what CSE would have merged)
-  is dropped; the backward reads the earlier one.
+  is dropped; the backward reads the earlier one. Never a random draw: as
+  torch's CSE, it leaves ops that draw random numbers apart.
 - ``no_aliased_donations``: while dpcompile compiles, AOTAutograd's donated
   buffers leave out every saved tensor that shares storage with another one.
 """
@@ -44,8 +45,12 @@ def storage_of(v) -> StorageWeakRef | None:
 
 
 def _key(node: fx.Node):
-    """What CSE compares: the op and its arguments (nodes by identity)."""
+    """What CSE compares: the op and its arguments (nodes by identity). None for an op that draws random
+    numbers: two draws with the same arguments are different values (Hugging Face's drop paths each call
+    ``torch.rand((B, 1, 1, 1))``, and merged, every block's backward read the first block's mask)."""
     if node.op != "call_function":
+        return None
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
         return None
     try:
         return node.target, repr(node.args), repr(node.kwargs), tuple(node.all_input_nodes)

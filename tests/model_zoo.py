@@ -24,6 +24,7 @@ on the whole batch; then the same batch again through the same graph with the la
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import functools
 import importlib
@@ -824,12 +825,89 @@ def _classify(exc: Exception) -> tuple[str, str]:
     return "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
+DROPOUT_SEED = 7
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_drop", "dropout_prob")
+
+
+def dropouts_on(model: torch.nn.Module, p: float) -> int:
+    """--dropout: every dropout the model has set to p, as users train (the zoo's configurations turn them off
+    for the vmap oracle): nn.Dropout and its kin, a drop path's probability, and the float dropout rates
+    attention modules pass to F.dropout or SDPA. How many were set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p, n = p, n + 1
+            continue
+        names = ("drop_prob",) if "DropPath" in type(m).__name__ else _DROPOUT_ATTRIBUTES
+        for a in names:
+            if isinstance(getattr(m, a, None), float):
+                setattr(m, a, p)
+                n += 1
+    return n
+
+
+def _dropout() -> float:
+    return float(os.environ.get("ZOO_DROPOUT", "0"))
+
+
+def _replayed(model, loss, inputs, targets, name: str, seed: int) -> dict:
+    """--dropout's oracle: per-sample gradients with the draws of a step seeded ``seed`` replayed
+    (reference.replayed_per_sample_gradients), on the model's ORACLE_TWIN where it has one (its dropouts on too)."""
+    if name in ORACLE_TWIN:
+        with torch.random.fork_rng():
+            twin = MODELS[ORACLE_TWIN[name]][0]().train().to(next(model.parameters()).dtype)
+        twin.load_state_dict(model.state_dict())
+        dropouts_on(twin, _dropout())
+        model = twin
+    return reference.replayed_per_sample_gradients(model, loss, inputs, targets, seed=seed)
+
+
+def _replayed_clip(model, loss, inputs, targets, name: str, seed: int, C: float | None):
+    """(clipped float64 gradients at expected batch size B + 1, C): C the median per-sample norm when None."""
+    try:
+        g = _replayed(model, loss, inputs, targets, name, seed)
+    except Exception as exc:  # noqa: BLE001 - the model's own forward/backward with its dropouts on fails
+        raise _Broken(f"the model fails without dpcompile ({type(exc).__name__}: {str(exc).splitlines()[0]})") \
+            from exc
+    if C is None:
+        norms = reference.clip_and_sum(g, max_grad_norm=1.0, expected_batch_size=B)[1]
+        if not torch.isfinite(norms).all():
+            raise _Broken(f"the model's own per-sample gradients are not finite (norms {norms.tolist()})")
+        C = float(norms.median())
+    return reference.clip_and_sum(g, max_grad_norm=C, expected_batch_size=B + 1)[0], C
+
+
+def _compare(model, ref: dict, where: str, full=lambda t: t) -> None:
+    for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            raise AssertionError(f"no gradient for {pname} ({where})")
+        tol = 1e-7 + 1e-6 * float(ref[pname].abs().max())
+        torch.testing.assert_close(full(p.grad).double(), ref[pname], rtol=1e-5, atol=tol,
+                                   msg=lambda m: f"{pname}, {where}: {m}")
+
+
+def _run_with_dropout(name, model, loss, inputs, targets, schedule, compiler, off) -> None:
+    """One process, dropouts on: the step seeded as the replayed oracle, Inductor drawing with torch's ops."""
+    ref, C = _replayed_clip(model, loss, inputs, targets, name, DROPOUT_SEED, None)
+    model.zero_grad(set_to_none=True)
+    step, _ = helpers.compile_step(model, loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B + 1,
+                                   schedule=schedule, compiler=compiler, disable_passes=list(off))
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(DROPOUT_SEED)
+        step(inputs, targets)
+    _compare(model, ref, f"dropout {_dropout()}")
+
+
 def _build(name: str, dtype: torch.dtype):
     make, data, loss = MODELS[name]
     torch.manual_seed(0)
     model = make().train().to(dtype)
     inputs, targets = data()
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+    if _dropout():
+        dropouts_on(model, _dropout())
     if os.environ.get("ZOO_CHANNELS_LAST"):  # --channels-last: how vision users run a conv net on GPUs
         model = model.to(memory_format=torch.channels_last)
         inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in inputs)
@@ -842,6 +920,14 @@ def run(name: str, schedule: str, compiler: str, dtype: torch.dtype, off: tuple[
     except ImportError as exc:
         return "SKIP", f"{type(exc).__name__}: {exc}"
     torch._dynamo.reset()
+    if _dropout():
+        try:
+            _run_with_dropout(name, model, loss, inputs, targets, schedule, compiler, off)
+        except _Broken as exc:
+            return "BROKEN", str(exc)
+        except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)
+            return _classify(exc)
+        return "PASS", ""
     try:
         helpers.dp_reference, norms = _oracle_for(model, loss, inputs, targets, name)  # check_against_reference's
     except Exception as exc:  # noqa: BLE001 - the model's own plain forward/backward fails: nothing to check
@@ -881,7 +967,11 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
                             timeout=datetime.timedelta(seconds=300))
     try:
         model, loss, inputs, targets = _build(name, getattr(torch, dtype))
-        ref, C = _oracle(model, loss, inputs, targets, name)
+        if _dropout():  # C from one draw of the whole batch; each split's oracle replays each rank's draws
+            unsharded = copy.deepcopy(model)
+            ref, C = _replayed_clip(model, loss, inputs, targets, name, DROPOUT_SEED, None)
+        else:
+            ref, C = _oracle(model, loss, inputs, targets, name)
         shard_blocks(model, init_device_mesh("cpu", (world,)))
         # uneven: rank 0 one sample more than an even share, the last rank what is left (maybe nothing)
         cuts = [min(B, B // world + 1) if r == 0 else B // world for r in range(world - 1)]
@@ -898,19 +988,20 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
         torch._dynamo.reset()
         private = dpcompile.private_step(step, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B + 1,
                                          schedule=schedule, compiler=compiler, disable_passes=list(off))
-        for split in (cuts, empty_last):
+        for i, split in enumerate((cuts, empty_last)):
             lo = sum(split[:rank])
+            local = tuple(x[lo:lo + split[rank]] for x in inputs), tuple(y[lo:lo + split[rank]] for y in targets)
             model.zero_grad(set_to_none=True)
-            private(tuple(x[lo:lo + split[rank]] for x in inputs), tuple(y[lo:lo + split[rank]] for y in targets))
-            for pname, p in model.named_parameters():
-                if not p.requires_grad:
-                    continue
-                if p.grad is None:
-                    raise AssertionError(f"no gradient for {pname} (per-rank batches {split})")
-                got = p.grad.full_tensor().double()
-                tol = 1e-7 + 1e-6 * float(ref[pname].abs().max())
-                torch.testing.assert_close(got, ref[pname], rtol=1e-5, atol=tol,
-                                           msg=lambda m: f"{pname}, per-rank batches {split}: {m}")
+            seed = DROPOUT_SEED + 1 + rank + world * i  # each rank its own draws, each split others
+            with torch._inductor.config.patch(fallback_random=True):
+                torch.manual_seed(seed)
+                private(*local)
+            if _dropout():  # the whole batch's oracle: each rank's clipped sum under its draws, added
+                ref = _replayed_clip(unsharded, loss, *local, name, seed, C)[0] if split[rank] else \
+                    {k: torch.zeros_like(v, dtype=torch.float64) for k, v in unsharded.named_parameters()}
+                for k in sorted(ref):
+                    dist.all_reduce(ref[k])
+            _compare(model, ref, f"per-rank batches {split}", full=lambda g: g.full_tensor())
         result = ("PASS", f"per-rank batches {cuts}, then {empty_last}")
     except ImportError as exc:
         result = ("SKIP", f"{type(exc).__name__}: {exc}")
@@ -956,11 +1047,16 @@ def main() -> int:
     ap.add_argument("--shard", type=int, default=0, metavar="N", help="run sharded on N gloo processes")
     ap.add_argument("--channels-last", action="store_true",
                     help="the model converted with model.to(memory_format=torch.channels_last), 4-d inputs channels-last")
+    ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                    help="every dropout and drop path of the model set to P, as users train; the oracle replays the "
+                         "step's draws (Inductor draws with torch's random ops: fallback_random)")
     ap.add_argument("--disable-passes", default="", metavar="A,B",
                     help="optional passes to skip (the option disable_passes): is a failure theirs?")
     args = ap.parse_args()
     if args.channels_last:
         os.environ["ZOO_CHANNELS_LAST"] = "1"  # (read by _build, in the sharded ranks too)
+    if args.dropout:
+        os.environ["ZOO_DROPOUT"] = str(args.dropout)  # (read by _build and the oracles, in the sharded ranks too)
     names = list(MODELS) if args.models == "all" else args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:

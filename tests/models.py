@@ -1205,9 +1205,10 @@ def flex_document_mask(ids, T=8):
 
 class DropoutLM(nn.Module):
     """A GPT-2-style LM trained with its dropouts on, as users train: dropout after the embedding, in SDPA's
-    attention weights, on both residual branches and in the MLP (nn.Dropout and F.dropout), a per-sample drop
-    path (timm's DropPath: one Bernoulli draw per sample, the branch scaled by 1/keep) and nn.Dropout1d (whole
-    channels of a sample). The oracle replays the step's draws (reference.replayed_per_sample_gradients)."""
+    attention weights, on both residual branches and in the MLP (nn.Dropout and F.dropout), per-sample drop paths
+    (timm's DropPath: one Bernoulli draw per sample, the branch scaled by 1/keep; Hugging Face's, one
+    torch.rand per sample, on both branches) and nn.Dropout1d (whole channels of a sample). The oracle replays
+    the step's draws (reference.replayed_per_sample_gradients)."""
 
     def __init__(self, vocab=13, d=8, n_head=2, p=0.25):
         super().__init__()
@@ -1228,8 +1229,16 @@ class DropoutLM(nn.Module):
         x = self.drop(self.emb(ids))
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, T, -1)))
+        x = x + self.hf_drop_path(self.drop(self.proj(a.transpose(1, 2).reshape(B, T, -1))))
         h = F.dropout(F.gelu(self.fc(self.ln2(x))), self.p, self.training)
         keep = x.new_empty(B, 1, 1).bernoulli_(1 - self.p) / (1 - self.p) if self.training else 1.0
-        x = x + self.out(h) * keep
+        x = x + self.hf_drop_path(self.out(h) * keep)
         return self.head(self.channels(x.transpose(1, 2)).transpose(1, 2))
+
+    def hf_drop_path(self, h):
+        """Hugging Face's drop path (Swin, PoolFormer, BEiT, ...): torch.rand((B, 1, 1)), a draw whose arguments
+        are the same at every call (two such masks were once taken for one value: dpcompile/saved_aliases.py)."""
+        if not self.training:
+            return h
+        keep = torch.floor(torch.rand((h.shape[0], 1, 1), dtype=h.dtype, device=h.device) + 1 - self.p)
+        return h / (1 - self.p) * keep

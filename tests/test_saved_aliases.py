@@ -61,6 +61,22 @@ def test_no_identical_saved_values_no_change():
     assert (fw.code, bw.code) == before
 
 
+def test_random_draws_with_the_same_arguments_are_not_merged():
+    """Two torch.rand((B, 1, 1)) (Hugging Face's drop path, once per block) are two masks: the backward must
+    read each block's own (merged, every block read the first one's: wrong gradients with dropout on)."""
+    def forward(x, w):
+        a = torch.floor(torch.rand(4, 1, 1) + 0.5)
+        b = torch.floor(torch.rand(4, 1, 1) + 0.5)
+        h = torch.sin(x) * a
+        return (h.view(24, 8) @ w).sum(), torch.rand(4, 1, 1), torch.rand(4, 1, 1), a, b
+
+    fw, bw, _ = _partition(forward, lambda r1, r2, a, b, t: (r1 + 2 * r2).sum() * t + (a * b).sum())
+    counters = {}
+    assert merge_identical_saved_values(fw, bw, 1, counters) == 0, fw.code
+    assert counters == {}
+    assert len(fw.graph.find_nodes(op="call_function", target=torch.ops.aten.rand.default)) == 4
+
+
 def test_aliasing_saved_tensors_are_not_donated():
     h, other = torch.randn(4, 6, 8), torch.randn(3)
     saved = [h.view(24, 8), other, h.transpose(1, 2), torch.randn(2)]

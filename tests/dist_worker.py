@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 import cases
 import dpcompile
 import models as M
-from reference import clip_and_sum, dp_reference, per_sample_gradients, replayed_per_sample_gradients
+from reference import clip_and_sum, dp_reference, per_sample_gradients
 
 
 _SHARED_GROUP = [False]  # dist_worker.jobs is running: one process group for all of its test bodies
@@ -517,10 +517,11 @@ def dropout(rank, world, init_file, out_dir, runs=(("bk", "compile", "eager"), (
     import json
     import traceback
 
-    from test_dropout import VOCAB, batches_of, token_ce
+    from helpers import TORCH_VERSION
+    from test_dropout import VOCAB, batches_of, replayed_reference, token_ce
 
     mesh = _init(rank, world, init_file)
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+    if TORCH_VERSION < (2, 13):
         # torch 2.11's Inductor, scheduling the bucketed collectives, moves the drop path's and Dropout1d's
         # bernoulli_ before the nn.Dropouts' native_dropout (independent ops; each still draws once, forward and
         # backward read the same masks): other masks than an eager forward's, which the oracle cannot replay.
@@ -542,9 +543,7 @@ def dropout(rank, world, init_file, out_dir, runs=(("bk", "compile", "eager"), (
 
         norms = []  # C: the median of every rank's per-sample norms of every step
         for i in range(len(steps)):
-            x, y = local(i)
-            g = replayed_per_sample_gradients(ref_model, token_ce, (x,), (y,), seed=seed_of[i])
-            norms += clip_and_sum(g, max_grad_norm=1.0, expected_batch_size=9)[1].tolist() if len(x) else []
+            norms += replayed_reference(ref_model, *local(i), seed_of[i], 1.0, 9)[1].tolist()
         every = [None] * world
         dist.all_gather_object(every, norms)
         C = float(torch.tensor(sum(every, [])).median())
@@ -568,11 +567,8 @@ def dropout(rank, world, init_file, out_dir, runs=(("bk", "compile", "eager"), (
                     model.zero_grad(set_to_none=True)
                     torch.manual_seed(seed_of[i])
                     fn(x, y)
-                    ref = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in ref_model.named_parameters()}
-                    if len(x):
-                        g = replayed_per_sample_gradients(ref_model, token_ce, (x,), (y,), seed=seed_of[i])
-                        ref, n = clip_and_sum(g, max_grad_norm=C, expected_batch_size=9)
-                        clipped, unclipped = clipped + int((n > C).sum()), unclipped + int((n < C).sum())
+                    ref, n = replayed_reference(ref_model, x, y, seed_of[i], C, 9)  # (zeros for no samples)
+                    clipped, unclipped = clipped + int((n > C).sum()), unclipped + int((n < C).sum())
                     for name in sorted(ref):  # the oracle of the whole batch: the ranks' clipped sums added
                         dist.all_reduce(ref[name])
                     for name, p in model.named_parameters():

@@ -52,7 +52,8 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               size_oblivious_solve_triangular,
                               size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check, size_oblivious_one_hot,
-                              size_oblivious_prob_cross_entropy,
+                              size_oblivious_prob_cross_entropy, multilabel_margin_loss_stops_at_the_first_negative,
+                              gaussian_nll_loss_checks_in_graph,
                               size_oblivious_repeat, size_oblivious_reshape,
                               size_oblivious_cumsum, size_oblivious_fft, size_oblivious_roll,
                               size_oblivious_sdpa, size_oblivious_affine_grid,
@@ -161,6 +162,8 @@ size_oblivious_log_sigmoid_backward()
 size_oblivious_logsumexp()
 size_oblivious_solve_triangular()
 size_oblivious_prob_cross_entropy()
+multilabel_margin_loss_stops_at_the_first_negative()
+gaussian_nll_loss_checks_in_graph()
 size_oblivious_channels_last()
 conv_layout_of_an_unbacked_batch()  # a convolution's fake output laid out as its kernel's
 conv_backward_layout_as_input()

@@ -29,6 +29,7 @@ from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner
 from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, decompositions_for_one_sample,
                               expand_unbacked_vec_indices, guard_empty_y_grid, hint_cpu_bmm_layouts,
                               hint_fusion_scores, hint_kernel_size_hints, install_hf_shims, hint_mix_order_split,
+                              mix_order_reduction_keeps_shapes,
                               hint_same_ordered_strides,
                               reshape_indexer_refuses_unbacked_guesses, rng_states_before_saved_objects)
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
@@ -738,6 +739,7 @@ class DPBackend:
             require_unbacked_batch(gm, inputs)
         guard_empty_y_grid()  # a graph with an unbacked batch size may run with no samples
         hint_mix_order_split()  # ... and Inductor must tune it with the batch hint, not raise
+        mix_order_reduction_keeps_shapes()  # ... and return its gradients in their shapes (torch 2.11)
         hint_fusion_scores()  # ... and fuse its kernels as for a fixed batch of the hint's size
         hint_kernel_size_hints()  # ... and tune them for it
         hint_cpu_bmm_layouts()  # ... and lower a CPU bmm of operands whose strides hold it, not raise

@@ -145,6 +145,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import re
 import sys
 
 _done = False
@@ -275,6 +276,52 @@ def hint_mix_order_split() -> None:
     """On a torch whose mix-order reduction codegen asks size_hint of an unbacked size (it raises), ask it the hint."""
     _hinted_where_torch_is_older("torch._inductor.codegen.simd", "SIMDScheduling", "_codegen_mix_order_reduction",
                                  ("sizevars.size_hint(numel)",), "size_hint")
+
+
+_FINAL_REDUCE = re.compile(r"^(\w+) = \w+\[.*\]\.view\(.*\)\.\w+\(dim=0\)")
+
+
+def mix_order_reduction_keeps_shapes() -> None:
+    """Inductor's mix-order reduction (CUDA: a LayerNorm backward's row and column reductions in one kernel)
+    ends with one more reduction in the wrapper, ``buf = ws[...].view(nsplit, rnumel).sum(dim=0)``, which on
+    torch 2.11 gives a flat ``[rnumel]`` tensor whatever the buffer's shape: a LayerNorm over ``[C, H, W]``
+    returned its weight gradient as ``[C*H*W]`` and autograd refused it (torch 2.13 views it back). Where the
+    codegen still lacks that view, its line gets ``.view(<the buffer's size>)``. Apply after
+    hint_mix_order_split, which wraps the same method."""
+    cls = getattr(importlib.import_module("torch._inductor.codegen.simd"), "SIMDScheduling", None)
+    current = getattr(cls, "_codegen_mix_order_reduction", None)
+    if current is None or getattr(current, "_dpcompile_shapes_kept", False):
+        return
+    try:
+        source = inspect.getsource(getattr(current, "_dpcompile_original", current))
+    except (OSError, TypeError):
+        return
+    if ".view({nsplit}, {rnumel})" not in source or "final_shape" in source:
+        return
+
+    def shapes_kept(self, *args, **kwargs):
+        from torch._inductor.virtualized import V
+
+        wrapper = V.graph.wrapper_code
+        writeline = wrapper.writeline
+
+        def viewed(line):
+            match = _FINAL_REDUCE.match(line) if isinstance(line, str) else None
+            buffer = V.graph.get_buffer(match.group(1)) if match else None
+            if buffer is not None and len(buffer.get_layout().size) != 1:
+                size = ", ".join(wrapper.codegen_python_sizevar(s) for s in buffer.get_layout().size)
+                line += f".view({size})"
+            return writeline(line)
+
+        wrapper.writeline = viewed
+        try:
+            return current(self, *args, **kwargs)
+        finally:
+            del wrapper.writeline  # the class's method again
+
+    _mark_wrapper(shapes_kept, current)
+    shapes_kept._dpcompile_shapes_kept = True
+    cls._codegen_mix_order_reduction = shapes_kept
 
 
 def hint_kernel_size_hints() -> None:
@@ -756,6 +803,94 @@ def _autograd_kernel_while_tracing(op, kernel) -> None:
     for key in (DispatchKey.AutogradCPU, DispatchKey.AutogradCUDA):
         if key not in op.py_kernels:
             op.py_impl(key)(kernel)
+
+
+def multilabel_margin_loss_stops_at_the_first_negative() -> None:
+    """``F.multilabel_margin_loss``: a sample's labels are its target's entries before the first -1. torch's
+    decomposition (2.11 and 2.13, which every compiled step traces, stock torch.compile too: pytorch#141017)
+    masks the classes that are labels but not the target slots after the -1: each such slot reads class 0 as
+    a label, and the loss and its gradient are wrong for every sample with fewer labels than classes. The same
+    decomposition with those slots masked replaces it, in the kernel tracing calls and in the decomposition
+    tables; eager calls keep torch's C++ kernel."""
+    import torch
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.multilabel_margin_loss_forward.default
+
+    def multilabel_margin_loss_forward(input, target, reduction):
+        shape, tshape = input.shape, target.shape
+        torch._check(input.dim() <= 2 and input.shape[-1] != 0 if input.dim() else False,
+                     lambda: f"Expected non-empty vector or matrix with optional 0-dim batch size, but got: {shape}")
+        torch._check(target.dim() <= 2 and tshape == shape,
+                     lambda: f"inconsistent target size: {tshape} for input of size: {shape}")
+        x, t = torch.atleast_2d(input), torch.atleast_2d(target)
+        classes = x.shape[1]
+        idx = torch.arange(classes, device=t.device)
+        # the slots before a row's first negative entry hold its labels (the others are not read)
+        first_end = torch.amin(torch.where(t < 0, idx, classes), dim=-1, keepdim=True)
+        slot = idx < first_end  # [N, slots]
+        labels = torch.where(slot, t, 0)
+        is_target = (torch.where(slot, t, -1).unsqueeze(-1) == idx).any(1)  # [N, classes]
+        u = torch.gather(x, 1, labels)  # each slot's label score
+        z = (1.0 - u.unsqueeze(-1) + x.unsqueeze(1)).clamp_min(0) / classes  # [N, slots, classes]
+        z = torch.where(slot.unsqueeze(-1) & ~is_target.unsqueeze(1), z, 0)
+        per_sample = z.sum((1, 2))
+        if reduction == 1:  # mean
+            loss = per_sample.mean()
+        elif reduction == 2:  # sum
+            loss = per_sample.sum()
+        else:
+            loss = per_sample.reshape(shape[:-1])
+        return loss, is_target.to(input.dtype).reshape(tshape)
+
+    if getattr(op.py_kernels.get(DispatchKey.Autograd), "_dpcompile_guarded", False):
+        return
+    multilabel_margin_loss_forward._dpcompile_guarded = True
+    op.py_kernels[DispatchKey.Autograd] = multilabel_margin_loss_forward
+    op._dispatch_cache.clear()
+    _wrap_decomposition_once(op, lambda original: multilabel_margin_loss_forward)
+
+
+def gaussian_nll_loss_checks_in_graph() -> None:
+    """``F.gaussian_nll_loss`` (and ``nn.GaussianNLLLoss``) checks ``if torch.any(var < 0): raise``, a branch on
+    the values that dynamo cannot trace: it splits the step there, and a DP step must be one graph. While
+    compiling, the same loss with that check made a runtime assertion in the graph (a negative variance still
+    raises, when the step runs); eager calls keep torch's function."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    original = F.gaussian_nll_loss
+    if getattr(original, "_dpcompile_guarded", False):
+        return
+
+    def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+        if not torch.compiler.is_compiling() or not isinstance(var, torch.Tensor) or \
+                torch.overrides.has_torch_function_variadic(input, target, var):
+            return original(input, target, var, full=full, eps=eps, reduction=reduction)
+        torch._assert_async(torch.logical_not(torch.any(var < 0)), "var has negative entry/entries")
+        if var.size() != input.size():
+            # one dim short of the input (unsqueezed), or one dim of size 1 to broadcast; torch's cases
+            if input.size()[:-1] == var.size():
+                var = torch.unsqueeze(var, -1)
+            elif not (input.ndim == var.ndim and
+                      sum(v for i, v in zip(input.size(), var.size(), strict=True) if i != v) == 1):
+                raise ValueError("var is of incorrect size")
+        if reduction not in ("none", "mean", "sum"):
+            raise ValueError(reduction + " is not valid")
+        var = var.clone()
+        with torch.no_grad():
+            var.clamp_(min=eps)  # torch's clamp, out of the gradient's way
+        loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+        if full:
+            loss = loss + 0.5 * math.log(2 * math.pi)
+        return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+    gaussian_nll_loss._dpcompile_guarded = True
+    gaussian_nll_loss.__doc__ = original.__doc__
+    gaussian_nll_loss.__wrapped__ = original
+    F.gaussian_nll_loss = gaussian_nll_loss
 
 
 def size_oblivious_channels_last() -> None:

@@ -30,7 +30,8 @@ from dpcompile.errors import DPCompileError, DPValueError, SamplesMixedError
 from dpcompile.fx_utils import known, module_of, op_name, source_line
 from dpcompile.step_split import split_error_text
 
-from .batch_state import (AMBIGUOUS_AT_ONE, COLLECTIVE_REDUCTIONS, FREE, RATIO_OF_SUMS, ROW_ORDER_STATES, SINGLE,
+from .batch_state import (AMBIGUOUS_AT_ONE, BATCH_SIZE_FACTOR, BATCH_SIZE_FACTOR_WHY, COLLECTIVE_REDUCTIONS, FREE,
+                          RATIO_OF_SUMS, ROW_ORDER_STATES, SINGLE,
                           SUM_OVER_NUMEL_AT_ONE, Batched, Contribution, Mixed, Reduced, is_zero_constant,
                           loss_not_per_sample, sample_count_sum, where_branches)
 from .context import DPPassContext
@@ -288,10 +289,12 @@ class BatchDimAnalysis:
             # norm (per_sample_norms.weight_norm_backward)
             return (Reduced(r.origin), Reduced(r.origin))
         if t in _LINEAR_ON_REDUCED or getattr(t, "overloadpacket", None) in _VIEWLIKE_PACKETS:
-            if t in (aten.div.Tensor, aten.div.Scalar):
+            if t in (aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar):
                 mean = self._batch_size_mean(node)
                 if mean is AMBIGUOUS_AT_ONE:
                     return Mixed(node, SUM_OVER_NUMEL_AT_ONE)
+                if mean is BATCH_SIZE_FACTOR:
+                    return Mixed(node, BATCH_SIZE_FACTOR_WHY)
                 if mean:
                     self.ctx.batch_size_means.add(node)
                     return Reduced(r.origin)
@@ -315,30 +318,78 @@ class BatchDimAnalysis:
 
     def _batch_size_mean(self, node: fx.Node):
         """``node`` divides a sum over the samples by the batch size (F.kl_div's reduction="batchmean", a
-        hand-written ``loss.sum() / x.shape[0]``) or by the number of elements summed, B times a per-sample
-        count (``loss.sum() / loss.numel()`` of a ``[B, T]`` loss): the mean of per-sample losses that
-        ``.mean()`` is, which the loss pass takes as one. Taken as a constant factor of each sample's loss
-        instead, the DP gradient would be the sum of clip(g_i / B) over the samples: under Poisson sampling
-        B is the number of samples drawn, so one sample more or less would change every other sample's
-        clipped share, and the sensitivity would exceed max_grad_norm. A static batch size is a number in
-        the graph, a dynamic one a size symbol: both are compared exactly. At a static batch of one the
-        number of elements summed is the per-sample count, so ``sum / numel`` and a sum of per-sample means
-        (``sum / T``) are one graph: AMBIGUOUS_AT_ONE, refused (the graphs for other batch sizes would
-        take the two apart, and mixing the readings across steps is the sensitivity problem above)."""
-        num = self.states.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-        if not (isinstance(num, Reduced) and num.origin is node.args[0]
-                and getattr(num.origin.target, "overloadpacket", None) is aten.sum):
+        hand-written ``loss.sum() / x.shape[0]`` or ``loss.sum() * (1 / x.shape[0])``) or by the number of
+        elements summed, B times a per-sample count (``loss.sum() / loss.numel()`` of a ``[B, T]`` loss): the
+        mean of per-sample losses that ``.mean()`` is, which the loss pass takes as one. The sum may reach the
+        division through a sign or a sample-free factor (``F.cross_entropy``'s default mean with probability
+        targets is ``-sum / B``). Taken as a constant factor of each sample's loss instead, the DP gradient
+        would be the sum of clip(g_i / B) over the samples: under Poisson sampling B is the number of samples
+        drawn, so one sample more or less would change every other sample's clipped share, and the
+        sensitivity would exceed max_grad_norm. A static batch size is a number in the graph, a dynamic one a
+        size symbol: both are compared exactly (a reciprocal to the float's rounding). At a static batch of
+        one the number of elements summed is the per-sample count, so ``sum / numel`` and a sum of
+        per-sample means (``sum / T``) are one graph: AMBIGUOUS_AT_ONE, refused (the graphs for other batch
+        sizes would take the two apart, and mixing the readings across steps is the sensitivity problem
+        above)."""
+        reciprocal = node.target in (aten.mul.Tensor, aten.mul.Scalar)
+        x, d = node.args[0], node.args[1]
+        if reciprocal and isinstance(d, fx.Node) and isinstance(self.states.get(d), Reduced):
+            x, d = d, x  # (1 / B) * sum
+        summed_node = self._sum_behind(x)
+        if summed_node is None:
             return False
-        d = node.args[1]
-        d = d.meta.get("val") if isinstance(d, fx.Node) else d
-        if not isinstance(d, (int, float, torch.SymInt, torch.SymFloat)) or isinstance(d, bool):
-            return False
-        if known(d == self.B):
-            return True
-        summed = num.origin.args[0].meta.get("val") if isinstance(num.origin.args[0], fx.Node) else None
-        if not (isinstance(summed, torch.Tensor) and known(d == summed.numel())):
-            return False
-        return AMBIGUOUS_AT_ONE if known(self.B == 1) else True
+        factor = d
+        d = _scalar_value(d)
+        if d is None:
+            # a factor made from the batch size that the analysis cannot evaluate: read as a constant, the
+            # clipped shares would depend on B (above); refused
+            return BATCH_SIZE_FACTOR if self._reads_batch_size(factor) else False
+        summed = summed_node.args[0].meta.get("val") if isinstance(summed_node.args[0], fx.Node) else None
+        counts = [self.B] + ([summed.numel()] if isinstance(summed, torch.Tensor) else [])
+        for i, n in enumerate(counts):
+            if not (_reciprocal_of(d, n) if reciprocal else _equal(d, n)):
+                continue
+            return AMBIGUOUS_AT_ONE if i and known(self.B == 1) else True
+        return BATCH_SIZE_FACTOR if self._reads_batch_size(factor) else False
+
+    def _reads_batch_size(self, factor: Any) -> bool:
+        """Whether a sample-free factor is computed from the batch size (its symbol, made a tensor)."""
+        syms = self.B.node.expr.free_symbols if isinstance(self.B, torch.SymInt) else set()
+        stack, seen = [factor], set()
+        while stack and syms:
+            n = stack.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            v = n.meta.get("val")
+            if isinstance(v, (torch.SymInt, torch.SymFloat)) and v.node.expr.free_symbols & syms:
+                return True
+            stack.extend(n.all_input_nodes)
+        return False
+
+    def _sum_behind(self, x: Any) -> fx.Node | None:
+        """The sum over the samples that x is, or a sample-free multiple of (through a sign, a product or
+        quotient by a sample-free value, a cast or a copy); None for anything else, or for a sum already
+        divided by the batch size on the way."""
+        while isinstance(x, fx.Node):
+            st = self.states.get(x)
+            if not isinstance(st, Reduced) or x in self.ctx.batch_size_means:
+                return None
+            if st.origin is x:
+                return x if getattr(x.target, "overloadpacket", None) is aten.sum else None
+            if x.target in (aten.neg.default, prims.convert_element_type.default, aten.clone.default):
+                x = x.args[0]
+                continue
+            if x.target not in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+                return None
+            a, b = x.args[:2]
+            if x.target in (aten.mul.Tensor, aten.mul.Scalar) and isinstance(b, fx.Node) and \
+                    isinstance(self.states.get(b), Reduced):
+                a, b = b, a
+            if isinstance(b, fx.Node) and self.states.get(b) is not FREE:
+                return None
+            x = a
+        return None
 
     def _sample_count_mean(self, node: fx.Node) -> bool:
         """``node`` divides a sum of one value per sample by a count of samples (F.cross_entropy's and
@@ -365,6 +416,78 @@ class BatchDimAnalysis:
 
     def tensor_args(self, node: fx.Node) -> list[tuple[fx.Node, Any]]:
         return [(a, self.states[a]) for a in node.all_input_nodes]
+
+
+# ops that make or pass on a 0-d value, and the arithmetic _scalar_value follows through them
+_SCALAR_PASS = {prims.convert_element_type.default, aten._to_copy.default, aten.clone.default, aten.alias.default}
+_SCALAR_ARITH = {aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul, aten.div.Tensor: operator.truediv,
+                 aten.div.Scalar: operator.truediv, aten.true_divide.Tensor: operator.truediv}
+
+
+def _scalar_value(x: Any, depth: int = 0) -> Any:
+    """A sample-free factor's value as a number or size expression: a number, a size symbol, or a 0-d tensor
+    made of them (``torch.tensor(1.0) / x.shape[0]`` traced with an unbacked batch: full, scalar_tensor of the
+    size, casts, products and quotients); None for anything else."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return x
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return _expr(x)
+    if not isinstance(x, fx.Node) or depth > 16:
+        return None
+    v = x.meta.get("val")
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        return _expr(v)
+    if not (isinstance(v, torch.Tensor) and v.dim() == 0) or x.op != "call_function":
+        return None
+    t = x.target
+    try:
+        if t is aten.full.default and list(x.args[0]) == []:
+            return _scalar_value(x.args[1], depth + 1)
+        if t is aten.scalar_tensor.default or t in _SCALAR_PASS:
+            return _scalar_value(x.args[0], depth + 1)
+        if t is aten.reciprocal.default:
+            a = _scalar_value(x.args[0], depth + 1)
+            return None if a is None else 1.0 / a
+        if t in _SCALAR_ARITH:
+            a, b = (_scalar_value(y, depth + 1) for y in x.args[:2])
+            return None if a is None or b is None else _SCALAR_ARITH[t](a, b)
+    except (ZeroDivisionError, TypeError):
+        return None
+    return None
+
+
+def _expr(v: Any) -> sympy.Expr:
+    """A number or size value as a plain sympy expression: torch's float conversions and true divisions of
+    sizes written as sympy's own, which simplify (1.0 / u0 times u0 is 1)."""
+    from torch.utils._sympy.functions import FloatTrueDiv, IntTrueDiv, ToFloat
+
+    e = v.node.expr if isinstance(v, (torch.SymInt, torch.SymFloat)) else sympy.sympify(v)
+    e = e.replace(ToFloat, lambda x: x)
+    for div in (FloatTrueDiv, IntTrueDiv):
+        e = e.replace(div, lambda a, b: a / b)
+    return e
+
+
+def _equal(d: Any, n: Any) -> bool:
+    """Whether the value d is n (a count): exactly, for numbers and size expressions."""
+    if isinstance(d, (int, float)) and isinstance(n, int):
+        return d == n
+    if isinstance(d, (torch.SymInt, torch.SymFloat)) and known(d == n):
+        return True
+    try:
+        return sympy.simplify(_expr(d) - _expr(n)) == 0
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def _reciprocal_of(d: Any, n: Any) -> bool:
+    """Whether the factor d is 1 / n: exactly for size expressions, to the rounding of 1.0 / n for numbers."""
+    if isinstance(d, (int, float)) and isinstance(n, int):
+        return n > 0 and d == 1.0 / n
+    try:
+        return sympy.simplify(_expr(d) * _expr(n) - 1) == 0
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def _unify_symbols(s: Any, B: Any) -> None:

@@ -272,6 +272,11 @@ RATIO_OF_SUMS = "a ratio of two sums over the samples"
 # BatchDimAnalysis._batch_size_mean at a static batch of one: sum / numel and sum / T are one graph
 AMBIGUOUS_AT_ONE = object()
 SUM_OVER_NUMEL_AT_ONE = "a sum over all elements of a batch of one divided by their number"
+# BatchDimAnalysis._batch_size_mean: a sum over the samples scaled by a factor it cannot evaluate, made from the
+# batch size (read as a constant, each sample's clipped share would depend on how many samples were drawn)
+BATCH_SIZE_FACTOR = object()
+BATCH_SIZE_FACTOR_WHY = ("a sum over the samples scaled by a value computed from the batch size that is not 1 / B; "
+                         "write the mean as .mean() or as loss.sum() / x.shape[0]")
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
 

@@ -291,7 +291,37 @@ BATCH_MEANS = {
     # a sum over all B * classes elements divided by their number: .mean() written by hand
     "sum_over_numel": (lambda out, y: _soft_ce(out, y).sum() / out.numel(), lambda out, y: _soft_ce(out, y).mean(-1),
                        "loss_mean_over_batch_size"),
+    # probability targets: torch's mean is -sum / B, the sign between the sum and its division
+    "prob_targets": (lambda out, y: F.cross_entropy(out, _soft_targets(out, y)),
+                     lambda out, y: F.cross_entropy(out, _soft_targets(out, y), reduction="none"),
+                     "loss_mean_over_batch_size"),
+    # the mean as a product with 1 / B (a 0-d tensor made from the size, under an unbacked batch)
+    "sum_times_reciprocal": (lambda out, y: _soft_ce(out, y).sum(-1).sum() * (1.0 / out.shape[0]),
+                             lambda out, y: _soft_ce(out, y).sum(-1), "loss_mean_over_batch_size"),
+    # torch's decomposition read class 0 for each slot after a target's -1 (compat, pytorch#141017)
+    "multilabel_margin": (lambda out, y: F.multilabel_margin_loss(out, _label_sets(out, y)),
+                          lambda out, y: F.multilabel_margin_loss(out, _label_sets(out, y), reduction="none"),
+                          "loss_mean"),
+    # F.gaussian_nll_loss checks its variance with a branch dynamo cannot trace (compat)
+    "gaussian_nll": (lambda out, y: F.gaussian_nll_loss(out, _soft_targets(out, y), _variances(out, y)),
+                     lambda out, y: F.gaussian_nll_loss(out, _soft_targets(out, y), _variances(out, y),
+                                                        reduction="none").mean(-1), "loss_mean"),
 }
+
+
+def _label_sets(logits, y):
+    """F.multilabel_margin_loss's targets from class targets: class y, and y + 1 for even y, then -1 padding (an
+    ignored target: no labels)."""
+    k = logits.shape[-1]
+    first = torch.where(y < 0, -1, y)
+    second = torch.where((y >= 0) & (y % 2 == 0), (y + 1) % k, -1)
+    pad = torch.full_like(y, -1)[:, None].expand(-1, k - 2)
+    return torch.cat([first[:, None], torch.where(first[:, None] < 0, -1, second[:, None]), pad], 1)
+
+
+def _variances(logits, y):
+    """A per-sample variance made in the step from the targets, of the logits' shape (heteroscedastic)."""
+    return (0.5 + 0.25 * y.abs().clamp(max=4)[:, None]).to(logits.dtype).expand_as(logits)
 
 
 

@@ -446,8 +446,9 @@ def noise(rank, world, init_file, out_dir, seed, last_dim=False):
 
 def cross_entropy_mean(rank, world, init_file, out_dir):
     """Whole-batch means of per-sample losses (cases.BATCH_MEANS: F.cross_entropy's default mean over the
-    targets that are not ignore_index, with label smoothing too, F.kl_div's "batchmean" and a hand-written
-    sum / numel), sharded: per-rank
+    targets that are not ignore_index, with label smoothing too, F.kl_div's "batchmean", a hand-written
+    sum / numel, probability targets' -sum / B, sum * (1 / B), F.multilabel_margin_loss, F.gaussian_nll_loss),
+    sharded: per-rank
     batches SHARDED_STEPS with an ignored target in each batch of three or more, both schedules; every rank's
     gathered gradient against the oracle of the per-sample losses (reduction="none")."""
     import json
@@ -461,7 +462,11 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
                                            ("cross_entropy", "ghost", "private_step", "inductor"),
                                            ("label_smoothing", "ghost", "compile", "eager"),
                                            ("kl_batchmean", "bk", "private_step", "eager"),
-                                           ("sum_over_numel", "ghost", "compile", "eager")):
+                                           ("sum_over_numel", "ghost", "compile", "eager"),
+                                           ("prob_targets", "bk", "compile", "eager"),
+                                           ("sum_times_reciprocal", "ghost", "private_step", "eager"),
+                                           ("multilabel_margin", "ghost", "compile", "eager"),
+                                           ("gaussian_nll", "bk", "private_step", "eager")):
         batch_loss, per_sample, _ = cases.BATCH_MEANS[loss]
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -487,6 +492,9 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
 
         fn = torch.compile(step, backend="dp_fsdp", options=options) if form == "compile" else \
             dpcompile.private_step(step, **options)
+        # two losses with the same per-sample gradients get the same C, so the same backend (get_backend, which
+        # private_step uses too) holds both runs' graphs: this run's are those compiled after
+        seen = len(dpcompile.get_backend(options).compiled)
         try:
             for sizes, (x, y) in zip(SHARDED_STEPS, batches):
                 lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
@@ -499,8 +507,7 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
                     want = ref[name] if ref is not None else torch.zeros_like(full)
                     torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-7 + 1e-5 * float(want.abs().max()),
                                                msg=lambda m: f"{sizes} {name}: {m}")
-            backend = dpcompile.get_backend(options) if form == "compile" else fn.dp_backend
-            (record,) = [r for r in backend.compiled if r.dp]
+            (record,) = [r for r in dpcompile.get_backend(options).compiled[seen:] if r.dp]
             results[f"{loss}-{schedule}"] = {"error": None, "counters": dict(record.counters)}
         except Exception:  # noqa: BLE001 - reported to the test
             results[f"{loss}-{schedule}"] = {"error": traceback.format_exc()[-3000:]}

@@ -970,3 +970,69 @@ def test_dynamo_logs_its_settings_while_a_dp_step_ignores_logging_calls():
         assert len(getattr(cfg, name)) >= 2  # functions that cannot be sorted among themselves
         logged = dynamo_utils._get_dynamo_config_for_logging()
     assert logged is None or isinstance(logged, str)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_multilabel_margin_loss_compiles_to_eagers_value_and_gradient(device, backend, inductor_caches_off):
+    """F.multilabel_margin_loss with targets padded by -1 (fewer labels than classes, as users write them): torch's
+    decomposition, which every compiled step traces, read class 0 for each slot after the -1, a wrong loss and
+    gradient (pytorch#141017; compat.multilabel_margin_loss_stops_at_the_first_negative). Each reduction, a batch
+    and one unbatched sample, a row with no labels and one with all: the value and the gradient are eager's."""
+    import torch.nn.functional as F
+
+    w = torch.nn.Parameter(torch.randn(5, 4, device=device))
+    x = torch.randn(4, 5, device=device)
+    t = torch.tensor([[3, 0, -1, -1], [1, -1, 2, 2], [-1, 0, 0, 0], [0, 1, 2, 3]], device=device)
+    for reduction in ("mean", "sum", "none"):
+        for xs, ts in ((x, t), (x[0], t[0])):
+            def loss(xs, ts):
+                out = F.multilabel_margin_loss(xs @ w, ts, reduction=reduction)
+                return out if reduction != "none" else (out * torch.arange(1.0, out.numel() + 1, device=device).
+                                                        view(out.shape)).sum()
+
+            torch._dynamo.reset()
+            got = torch.compile(loss, backend=backend, fullgraph=True)(xs, ts)
+            want = loss(xs, ts)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(torch.autograd.grad(got, [w])[0], torch.autograd.grad(want, [w])[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gaussian_nll_loss_traces_whole_and_still_refuses_a_negative_variance(device):
+    """F.gaussian_nll_loss and nn.GaussianNLLLoss check their variance with a branch on its values, which split
+    the step (compat.gaussian_nll_loss_checks_in_graph): compiled whole now, with an unbacked batch, for a
+    variance of the input's shape and one a dim short, each reduction: eager's value and gradients (the
+    variance predicted too). A negative variance still fails the step (CPU: when it runs)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    w = torch.nn.Parameter(torch.randn(4, 6, device=device))
+
+    def loss_of(reduction, homoscedastic, module):
+        def loss(x, y):
+            out = x @ w
+            mean, var = out[:, :3], F.softplus(out[:, 3:])
+            var = var[:, 0] if homoscedastic else var
+            fn = nn.GaussianNLLLoss(full=True, reduction=reduction) if module else \
+                lambda *a: F.gaussian_nll_loss(*a, reduction=reduction)
+            return fn(mean, y, var).sum()
+        return loss
+
+    for reduction, homoscedastic, module in (("mean", False, False), ("sum", True, True), ("none", False, True)):
+        loss = loss_of(reduction, homoscedastic, module)
+        for n in (3, 1):
+            torch._dynamo.reset()
+            x, y = torch.randn(n, 4, device=device), torch.randn(n, 3, device=device)
+            dpcompile.mark_batch(x, y)
+            fn = torch.compile(loss, backend="aot_eager", fullgraph=True)
+            got = fn(x, y)
+            want = loss(x, y)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(torch.autograd.grad(got, [w])[0], torch.autograd.grad(want, [w])[0])
+    if device == "cpu":
+        torch._dynamo.reset()
+        bad = torch.compile(lambda x, v: F.gaussian_nll_loss(x, torch.zeros_like(x), v), backend="aot_eager",
+                            fullgraph=True)
+        with pytest.raises(RuntimeError, match="negative"):
+            bad(torch.randn(3, 2), -torch.ones(3, 2))

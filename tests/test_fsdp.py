@@ -257,12 +257,14 @@ def test_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(tmp_path):
 @_ranks("cross_entropy_mean")
 def test_whole_batch_means_sharded(shared_ranks):
     """Whole-batch means of per-sample losses on 2 ranks (per-rank batches of 0, 1, 3, 4, 5; ignored targets):
-    F.cross_entropy's default mean in both schedules, with label smoothing, F.kl_div's "batchmean" (a sum
-    over each rank's batch size) and a sum over each rank's B * classes elements by their number, exact against
+    F.cross_entropy's default mean in both schedules, with label smoothing and with probability targets, F.kl_div's
+    "batchmean" (a sum over each rank's batch size), a sum over each rank's B * classes elements by their number,
+    a sum times 1 / B, F.multilabel_margin_loss and F.gaussian_nll_loss, exact against
     the oracle, each seen by the loss pass as the mean it is."""
     for rank, results in enumerate(_read(shared_ranks(RANKS, "cross_entropy_mean"), prefix="ce")):
-        assert sorted(results) == ["cross_entropy-bk", "cross_entropy-ghost", "kl_batchmean-bk",
-                                   "label_smoothing-ghost", "sum_over_numel-ghost"], results
+        assert sorted(results) == ["cross_entropy-bk", "cross_entropy-ghost", "gaussian_nll-bk", "kl_batchmean-bk",
+                                   "label_smoothing-ghost", "multilabel_margin-ghost", "prob_targets-bk",
+                                   "sum_over_numel-ghost", "sum_times_reciprocal-ghost"], results
         for run, r in results.items():
             assert r["error"] is None, f"rank {rank} {run}:\n{r['error']}"
             counter = BATCH_MEANS[run.split("-")[0]][2]

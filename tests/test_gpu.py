@@ -58,6 +58,29 @@ def test_cuda_unbacked_batch_matches_reference(case, schedule):
     _unbacked_steps_match_reference(case, schedule, "cuda")
 
 
+def test_cuda_mix_order_reduction_returns_gradients_in_their_shapes():
+    """A LayerNorm over [C, H, W] with an unbacked batch: Inductor's mix-order reduction (its row and column
+    reductions in one kernel) ended with a flat [C*H*W] sum on torch 2.11, and autograd refused the weight's
+    gradient (compat.mix_order_reduction_keeps_shapes; torch 2.13 views it back itself). The gradients are
+    eager's, in the parameters' shapes, for batches of 5 and 3."""
+    from dpcompile.compat import hint_mix_order_split, mix_order_reduction_keeps_shapes
+
+    hint_mix_order_split()
+    mix_order_reduction_keeps_shapes()
+    ln = torch.nn.LayerNorm([8, 8, 8], device="cuda")
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        step = torch.compile(lambda x: torch.nn.functional.gelu(ln(x)).pow(2).sum())
+        for n in (5, 3):
+            x = torch.randn(n, 8, 8, 8, device="cuda")
+            torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=4)
+            got = torch.autograd.grad(step(x), [ln.weight, ln.bias])
+            want = torch.autograd.grad(torch.nn.functional.gelu(ln(x)).pow(2).sum(), [ln.weight, ln.bias])
+            for g, w in zip(got, want):
+                assert g.shape == w.shape == (8, 8, 8)
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_cuda_kernels_are_tuned_for_the_batch_hint():
     """An unbacked batch with a hint: Inductor's Triton kernels carry the hinted sizes (torch 2.11 hinted every
     unbacked dim as 8192, whatever the hint: compat.hint_kernel_size_hints), and run exact at other sizes."""

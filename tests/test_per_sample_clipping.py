@@ -517,16 +517,25 @@ def test_weight_normalised_as_a_whole(schedule):
                                                  ("ghost", "static", "kl_batchmean"),
                                                  ("bk", "unbacked", "kl_batchmean"),
                                                  ("bk", "static", "sum_over_numel"),
-                                                 ("ghost", "unbacked", "sum_over_numel")])
+                                                 ("ghost", "unbacked", "sum_over_numel"),
+                                                 ("bk", "unbacked", "prob_targets"),
+                                                 ("ghost", "static", "prob_targets"),
+                                                 ("ghost", "static", "sum_times_reciprocal"),
+                                                 ("bk", "unbacked", "sum_times_reciprocal"),
+                                                 ("ghost", "unbacked", "multilabel_margin"),
+                                                 ("bk", "static", "gaussian_nll")])
 def test_whole_batch_means_of_per_sample_losses(schedule, batch, loss):
     """Losses written over the whole batch that are means of per-sample losses (tests/cases.BATCH_MEANS):
     F.cross_entropy (label smoothing too) and F.nll_loss with their default mean, a sum of per-sample losses over
     the count of targets that are not ignore_index, one per sample; F.kl_div's "batchmean", a sum over the batch
-    size; a sum over all elements of [B, classes] over their number (.mean() by hand). The DP gradient divides
+    size; a sum over all elements of [B, classes] over their number (.mean() by hand); F.cross_entropy with
+    probability targets (-sum / B) and a sum times 1 / B; F.multilabel_margin_loss and F.gaussian_nll_loss, whose
+    compiled forms torch gets wrong or cannot trace (dpcompile.compat). The DP gradient divides
     by expected_batch_size, as for .mean(): exact against the oracle of the per-sample losses (reduction="none"),
     an ignored target's sample contributing nothing and not counted as dropped. Taken as a sum of per-sample
     losses each over the batch size instead (before), "batchmean" clipped g_i / B (fc1.weight off by 0.14), and
-    sum / numel g_i / (B * classes); label smoothing's count, written twice, was refused as two counts."""
+    sum / numel g_i / (B * classes); label smoothing's count, written twice, was refused as two counts; -sum / B
+    and sum * (1 / B) were read as sums, clipping g_i / B."""
     import copy
 
     from reference import dp_reference

@@ -197,6 +197,30 @@ def test_a_sum_over_its_number_of_elements_is_refused_at_a_static_batch_of_one(d
         assert record.summary["loss"]["reduction"] == reduction, (batch, record.summary)
 
 
+def test_a_sum_scaled_by_another_function_of_the_batch_size_is_refused():
+    """One graph for every batch size: loss.sum() / (2 * B) is neither the mean (sum / B, or sum * (1 / B), or
+    -sum / B: F.cross_entropy's with probability targets) nor a constant factor. Read as a constant, each
+    sample's clipped share would depend on how many samples were drawn: refused, saying how to write the
+    mean; the three forms of the mean run as one."""
+    def loss_of(scale):
+        return lambda m, x: scale(m(x).pow(2).sum(1).sum(), x.shape[0])
+
+    x = torch.randn(3, 5)
+    dpcompile.mark_batch(x)
+    err = expect_refusal(lambda: run(nn.Linear(5, 4), loss_of(lambda s, b: s / (2 * b)), (x,)),
+                         "computed from the batch size", ".mean()")
+    assert isinstance(err, SamplesMixedError), type(err)
+    for scale in (lambda s, b: s / b, lambda s, b: s * (1.0 / b), lambda s, b: -(-s) / b):
+        torch._dynamo.reset()
+        backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+        model = nn.Linear(5, 4)
+        x = torch.randn(3, 5)
+        dpcompile.mark_batch(x)
+        torch.compile(lambda x: loss_of(scale)(model, x).backward(), backend=backend)(x)
+        (record,) = [r for r in backend.compiled if r.dp]
+        assert record.summary["loss"]["reduction"] == "mean", record.summary
+
+
 def test_ctc_loss_with_concatenated_targets_is_refused():
     """F.ctc_loss also takes the targets concatenated into one 1-D tensor: the samples are not a dim of it, so the
     analysis cannot follow them (padded [B, S] targets run: test_per_sample_clipping's test_ctc_loss_is_per_sample).

@@ -1764,6 +1764,12 @@ def reflection_pad_takes_unbacked_batch() -> bool:
     return _torch_at_least(2, 13)
 
 
+def scatter_reads_in_order() -> bool:
+    """torch 2.13's Inductor runs a CPU scatter before the readers of its result; 2.11's could fuse them ahead of
+    it (passes/scatter_reads.py)."""
+    return _torch_at_least(2, 13)
+
+
 def meshes_are_graph_inputs() -> bool:
     """torch 2.13 hands a sharded step's device meshes to the compiled graph as opaque inputs (the cache keys
     them: dpcompile.compile_cache.stable_mesh_keys); 2.11 bakes them into the graph."""

@@ -30,6 +30,7 @@ from .mutated_input_reads import mutated_input_reads_pass
 from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
+from .scatter_reads import scatter_reads_pass
 from .second_backward_recompute import second_backward_recompute_pass
 from .side_gradients import side_gradients_pass
 from .state_updates import state_updates_pass
@@ -89,6 +90,8 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     Pass("grouped_gram_norms", grouped_gram_norms_pass, optional=True),
     # a rank with no samples: convolution weight gradients (zeros) laid out as traced
     Pass("empty_conv_grads", empty_conv_grads_pass),
+    # torch 2.11, CPU: a scatter's readers after the scatter (its C++ backend fused them ahead of it)
+    Pass("scatter_reads", scatter_reads_pass, inductor_only=True),
     # again after the partition and the passes above, which place nodes of their own
     Pass("backward_wait_order", wait_order_pass),
 )

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import dpcompile
 import models as M
+from dpcompile.compat import scatter_reads_in_order
 from reference import dp_reference
 
 B, D, C = 6, 5, 4
@@ -115,3 +116,6 @@ def test_torch_losses_with_default_reductions_match_reference(name):
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=tol, msg=lambda m: f"{n}: {m}")
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.summary["loss"]["reduction"] == "mean", record.summary
+    if name == "multilabel_margin" and not scatter_reads_in_order():
+        # torch 2.11's C++ backend read the gather backward's scatter_add before it ran (fp64: its fallback)
+        assert record.counters["scatter_reads_realized"] >= 1, record.counters

@@ -860,14 +860,17 @@ def gaussian_nll_loss_checks_in_graph() -> None:
 
     import torch
     import torch.nn.functional as F
+    from torch._guards import detect_fake_mode
 
     original = F.gaussian_nll_loss
     if getattr(original, "_dpcompile_guarded", False):
         return
 
     def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
-        if not torch.compiler.is_compiling() or not isinstance(var, torch.Tensor) or \
-                torch.overrides.has_torch_function_variadic(input, target, var):
+        # tracing: dynamo inlining this, or running it on fake tensors as one of torch's functions (torch 2.11
+        # under fully_shard)
+        tracing = torch.compiler.is_compiling() or detect_fake_mode((input, target, var)) is not None
+        if not tracing or not isinstance(var, torch.Tensor):
             return original(input, target, var, full=full, eps=eps, reduction=reduction)
         torch._assert_async(torch.logical_not(torch.any(var < 0)), "var has negative entry/entries")
         if var.size() != input.size():

@@ -79,9 +79,34 @@ def test_hint_patches_only_where_torch_still_asks_the_flat_question(module, owne
     """Each patch is installed on a torch whose code still has the older question, and only there."""
     cls = getattr(pytest.importorskip(module), owner)
     install()
-    fn = getattr(cls, name)
-    original = getattr(fn, "_dpcompile_original", fn)
-    assert getattr(fn, "_dpcompile_guarded", False) == (marker in inspect.getsource(original))
+    chain = _wrappers(getattr(cls, name))  # (mix_order_reduction_keeps_shapes may wrap the hinted method too)
+    hinted = any(f.__name__ == "hinted" for f in chain)
+    assert hinted == (marker in inspect.getsource(chain[-1]))
+
+
+def _wrappers(fn) -> list:
+    """fn, and each function it wraps (dpcompile's wrappers keep theirs in _dpcompile_original), torch's last."""
+    chain = [fn]
+    while hasattr(chain[-1], "_dpcompile_original"):
+        chain.append(chain[-1]._dpcompile_original)
+    return chain
+
+
+def test_mix_order_reduction_gets_its_view_only_where_torch_lacks_it():
+    """compat.mix_order_reduction_keeps_shapes wraps the mix-order codegen where torch's final reduction line has no
+    view back to the buffer's shape (torch 2.11; 2.13 has it), over hint_mix_order_split's wrapper; its pattern
+    matches the line that codegen writes."""
+    from dpcompile.compat import _FINAL_REDUCE, hint_mix_order_split, mix_order_reduction_keeps_shapes
+
+    simd = pytest.importorskip("torch._inductor.codegen.simd")
+    hint_mix_order_split()
+    mix_order_reduction_keeps_shapes()
+    chain = _wrappers(simd.SIMDScheduling._codegen_mix_order_reduction)
+    source = inspect.getsource(chain[-1])
+    kept = any(getattr(f, "_dpcompile_shapes_kept", False) for f in chain)
+    assert kept == ("final_shape" not in source and ".view({nsplit}, {rnumel})" in source)
+    line = "buf71 = workspace_0[0 * math.floor(15/16 + (1/16)*u0) * 512 : (0 + 1) * 4 * 512].view(4, 512).sum(dim=0)"
+    assert _FINAL_REDUCE.match(line).group(1) == "buf71"
 
 
 def _scheduled_nodes(step, x, hint, monkeypatch) -> int:

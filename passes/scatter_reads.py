@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+import dpcompile.realized  # noqa: F401 (defines the op at import: a warm restart's cached code calls it, no pass runs)
 from dpcompile.compat import scatter_reads_in_order
 
 from .context import DPPassContext
@@ -26,8 +27,6 @@ _SCATTERS = {aten.scatter_add.default, aten.scatter_reduce.two, aten.scatter.src
 def scatter_reads_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     if scatter_reads_in_order():
         return gm
-    import dpcompile.realized  # noqa: F401 (defines the op)
-
     graph = gm.graph
     changed = 0
     for node in list(graph.nodes):

@@ -287,7 +287,11 @@ def mix_order_reduction_keeps_shapes() -> None:
     torch 2.11 gives a flat ``[rnumel]`` tensor whatever the buffer's shape: a LayerNorm over ``[C, H, W]``
     returned its weight gradient as ``[C*H*W]`` and autograd refused it (torch 2.13 views it back). Where the
     codegen still lacks that view, its line gets ``.view(<the buffer's size>)``. Apply after
-    hint_mix_order_split, which wraps the same method."""
+    hint_mix_order_split, which wraps the same method. Looked at once per process, as the hints are (the
+    backend asks at every compile)."""
+    if "mix_order_reduction_keeps_shapes" in _hinted:
+        return
+    _hinted.add("mix_order_reduction_keeps_shapes")
     cls = getattr(importlib.import_module("torch._inductor.codegen.simd"), "SIMDScheduling", None)
     current = getattr(cls, "_codegen_mix_order_reduction", None)
     if current is None or getattr(current, "_dpcompile_shapes_kept", False):

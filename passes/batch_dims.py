@@ -338,19 +338,16 @@ class BatchDimAnalysis:
         summed_node = self._sum_behind(x)
         if summed_node is None:
             return False
-        factor = d
-        d = _scalar_value(d)
-        if d is None:
-            # a factor made from the batch size that the analysis cannot evaluate: read as a constant, the
-            # clipped shares would depend on B (above); refused
-            return BATCH_SIZE_FACTOR if self._reads_batch_size(factor) else False
-        summed = summed_node.args[0].meta.get("val") if isinstance(summed_node.args[0], fx.Node) else None
-        counts = [self.B] + ([summed.numel()] if isinstance(summed, torch.Tensor) else [])
-        for i, n in enumerate(counts):
-            if not (_reciprocal_of(d, n) if reciprocal else _equal(d, n)):
-                continue
-            return AMBIGUOUS_AT_ONE if i and known(self.B == 1) else True
-        return BATCH_SIZE_FACTOR if self._reads_batch_size(factor) else False
+        value = _scalar_value(d)
+        if value is not None:
+            summed = summed_node.args[0].meta.get("val") if isinstance(summed_node.args[0], fx.Node) else None
+            counts = [self.B] + ([summed.numel()] if isinstance(summed, torch.Tensor) else [])
+            for i, n in enumerate(counts):
+                if _reciprocal_of(value, n) if reciprocal else _equal(value, n):
+                    return AMBIGUOUS_AT_ONE if i and known(self.B == 1) else True
+        # any other factor made from the batch size (or one the analysis cannot evaluate): read as a constant,
+        # the clipped shares would depend on B (above); refused
+        return BATCH_SIZE_FACTOR if self._reads_batch_size(d) else False
 
     def _reads_batch_size(self, factor: Any) -> bool:
         """Whether a sample-free factor is computed from the batch size (its symbol, made a tensor)."""
@@ -425,18 +422,17 @@ _SCALAR_ARITH = {aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul, a
 
 
 def _scalar_value(x: Any, depth: int = 0) -> Any:
-    """A sample-free factor's value as a number or size expression: a number, a size symbol, or a 0-d tensor
-    made of them (``torch.tensor(1.0) / x.shape[0]`` traced with an unbacked batch: full, scalar_tensor of the
-    size, casts, products and quotients); None for anything else."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
+    """A sample-free factor's value as a number or size value: a number, a size (SymInt, SymFloat), or a 0-d
+    tensor made of them (``torch.tensor(1.0) / x.shape[0]`` traced with an unbacked batch: full, scalar_tensor of
+    the size, casts, products and quotients); None for anything else. Sizes stay torch's, so that _equal asks
+    the shape environment (which knows sizes proven equal) before comparing expressions."""
+    if isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool):
         return x
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
-        return _expr(x)
     if not isinstance(x, fx.Node) or depth > 16:
         return None
     v = x.meta.get("val")
     if isinstance(v, (torch.SymInt, torch.SymFloat)):
-        return _expr(v)
+        return v
     if not (isinstance(v, torch.Tensor) and v.dim() == 0) or x.op != "call_function":
         return None
     t = x.target

@@ -444,6 +444,20 @@ def noise(rank, world, init_file, out_dir, seed, last_dim=False):
     _finish()
 
 
+def op_sweep(rank, world, init_file, out_dir, names):
+    """op_sweep.sharded_checks of the named ops' per-sample samples: {sample id: (outcome, detail)} per rank."""
+    import json
+
+    import op_sweep as sweep
+
+    mesh = _init(rank, world, init_file)
+    samples = [s for s in sweep.op_samples(names=set(names)) if sweep.is_per_sample(*sweep.build(s))]
+    results = sweep.sharded_checks(samples, mesh, rank, world)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    _finish()
+
+
 def cross_entropy_mean(rank, world, init_file, out_dir):
     """Whole-batch means of per-sample losses (cases.BATCH_MEANS: F.cross_entropy's default mean over the
     targets that are not ignore_index, with label smoothing too, F.kl_div's "batchmean", a hand-written

@@ -1,0 +1,343 @@
+"""torch's op database through DP steps, one model per op sample, against the float64 per-sample oracle.
+
+Each sample torch tests an op on (``op_db``'s sample inputs) becomes a model with one trainable parameter
+``w`` shaped as the sample's input, applied to a batch: ``op(x * w, *args, **kwargs)`` with x ``[B, *shape]``,
+the loss ``sin(out).sum() / B`` (a mean of per-sample losses). The rule table meets every op torch has, with the
+argument forms torch itself tests (dims, keywords, broadcast operands), without a model written for it.
+
+Outcomes, one line per op sample and run:
+  PASS     the DP step's gradient is the oracle's (vmap(grad) per sample, clipped with C at the median norm)
+  REFUSED  DPCompileError: dp_fsdp cannot prove the step per sample (an op that mixes samples, say)
+  TORCH    stock torch.compile of the same step (aot_eager, the same batch marking) fails as well
+  NA       nothing to check: the model as written is not per sample (row i of its output is not the model on
+           sample i alone: the op reduces, sorts or broadcasts along the batch), or it fails in eager
+  FAIL     anything else: a wrong gradient, a crash
+Under --shard the model is sharded with dpcompile.fully_shard (a scalar ``w`` is stored with shape [1] and read
+as a scalar: fully_shard refuses 0-dim parameters) and run on N gloo ranks, the batch split unevenly, then with
+the last rank given nothing, through one graph.
+
+Run by hand (CI runs a slice: tests/test_op_sweep.py):
+
+    python tests/op_sweep.py                               # every op, bk and ghost, one process
+    python tests/op_sweep.py --ops cumsum,nn.functional.linear --compiler inductor --unbacked
+    python tests/op_sweep.py --shard 2
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+import dpcompile
+from reference import dp_reference
+
+B = 5
+# ops whose values are random draws (a sample's gradient would depend on the draw order) or whose inputs are
+# not dense tensors
+_LEFT_OUT = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "poisson", "exponential", "cauchy",
+             "geometric", "log_normal", "empty", "sparse", "signal.windows")
+
+
+@dataclass
+class OpSample:
+    name: str  # op_db name, with its variant
+    index: int  # which of the op's samples
+    op: object
+    input_shape: tuple
+    args: tuple
+    kwargs: dict
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}#{self.index}"
+
+
+def _eligible(device: str) -> list:
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return [(info.name + (f".{info.variant_test_name}" if info.variant_test_name else ""), info) for info in op_db
+            if info.supports_autograd and torch.float64 in info.supported_dtypes(device)
+            and not any(w in info.name for w in _LEFT_OUT)]
+
+
+def op_names(device: str = "cpu") -> list[str]:
+    """The differentiable ops with float64 support, sorted (without building their samples)."""
+    return sorted({name for name, _ in _eligible(device)})
+
+
+def op_samples(device: str = "cpu", names=None, per_op: int = 2) -> list[OpSample]:
+    """The first ``per_op`` float64 samples with a non-empty tensor input of each op (of ``names``)."""
+    out = []
+    for name, info in _eligible(device):
+        if names is not None and name not in names:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                found = [s for s in info.sample_inputs(device, torch.float64, requires_grad=False)
+                         if isinstance(s.input, torch.Tensor) and s.input.numel() > 0 and s.input.is_floating_point()]
+        except Exception:  # noqa: BLE001 - an op whose samples cannot be made here has nothing to sweep
+            continue
+        out += [OpSample(name, i, info.op, tuple(s.input.shape), tuple(s.args), dict(s.kwargs))
+                for i, s in enumerate(found[:per_op])]
+    return out
+
+
+class OpModel(torch.nn.Module):
+    def __init__(self, sample: OpSample, scalar_as_vector: bool = False):
+        super().__init__()
+        shape = sample.input_shape
+        self.as_scalar = scalar_as_vector and shape == ()
+        self.w = torch.nn.Parameter(torch.randn((1,) if self.as_scalar else shape, dtype=torch.float64) * 0.5 + 1.0)
+        self.op, self.args, self.kwargs = sample.op, sample.args, sample.kwargs
+
+    def forward(self, x):
+        w = self.w.view(()) if self.as_scalar else self.w
+        return self.op(x * w, *self.args, **self.kwargs)
+
+
+def first_float(out):
+    """The op's first floating-point output (ops such as max(dim) return indices too), or None."""
+    if isinstance(out, (tuple, list)):
+        out = next((t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    return out if isinstance(out, torch.Tensor) and out.is_floating_point() else None
+
+
+def batch_loss(out, n):
+    return first_float(out).sin().sum() / n
+
+
+def per_sample_loss(out):
+    return first_float(out).sin().sum().reshape(1)
+
+
+def build(sample: OpSample, scalar_as_vector: bool = False, device: str = "cpu"):
+    torch.manual_seed(sample.index)
+    model = OpModel(sample, scalar_as_vector).to(device)
+    return model, torch.randn(B, *sample.input_shape, dtype=torch.float64).to(device)
+
+
+def is_per_sample(model, x) -> bool:
+    """Row i of the model's output on the batch is the model on sample i alone, for every i: the oracle's
+    per-sample losses are then the batch loss's terms. False where the op reduces, sorts, or broadcasts along the
+    batch dim, or fails."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = first_float(model(x))
+            if out is None or out.dim() == 0 or out.shape[0] != x.shape[0]:
+                return False
+            return all(torch.allclose(out[i:i + 1], first_float(model(x[i:i + 1])), rtol=1e-9, atol=1e-12,
+                                      equal_nan=True) for i in range(x.shape[0]))
+    except Exception:  # noqa: BLE001 - an op that fails in eager has nothing to check
+        return False
+
+
+def oracle(model, x):
+    """(clipped gradient of w in float64, C): C is the median of the finite per-sample norms, so that some
+    samples are clipped and some are not; 1.0 where every norm is 0."""
+    _, norms = dp_reference(model, per_sample_loss, (x,), (), max_grad_norm=1.0, expected_batch_size=B)
+    finite = norms[norms.isfinite()]
+    C = float(finite.median()) if finite.numel() else 1.0
+    C = C if C > 0 else 1.0
+    ref, _ = dp_reference(model, per_sample_loss, (x,), (), max_grad_norm=C, expected_batch_size=B)
+    return ref["w"], C
+
+
+def _tolerance(model, x) -> float:
+    out = first_float(model(x[:1]))
+    return 1e-6 if out.dtype == torch.float64 else 1e-2  # an op computing in half precision inside
+
+
+def _error(got, ref) -> float:
+    return float((got.double() - ref).abs().max() / (ref.abs().max() + 1e-12))
+
+
+def _unwrap(exc: Exception) -> Exception:
+    return exc.__cause__ if type(exc).__name__ == "BackendCompilerFailed" and exc.__cause__ is not None else exc
+
+
+def _stock_fails(model, xs, unbacked: bool) -> bool:
+    """Whether stock torch.compile (aot_eager) fails on the same step: torch's limit, not dpcompile's."""
+    torch._dynamo.reset()
+
+    def step(xx):
+        batch_loss(model(xx), xx.shape[0]).backward()
+
+    try:
+        for xx in xs:
+            xx = xx.clone()
+            if unbacked:
+                dpcompile.mark_batch(xx)
+            torch.compile(step, backend="aot_eager", fullgraph=True)(xx)
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def _outcome(exc: Exception, stock_fails) -> tuple[str, str]:
+    exc = _unwrap(exc)
+    line = (str(exc).splitlines() or [""])[0][:200]
+    if isinstance(exc, dpcompile.DPCompileError):
+        return "REFUSED", line
+    return ("TORCH" if stock_fails() else "FAIL"), f"{type(exc).__name__}: {line}"
+
+
+def check(sample: OpSample, *, schedule: str, compiler: str = "eager", unbacked: bool = False,
+          device: str = "cpu") -> tuple[str, str]:
+    """One op sample through one DP step on this process: (outcome, detail). unbacked: the batch marked with
+    dpcompile.mark_batch, and a second batch of 3 samples through the same graph. device: where the sample, the
+    model and the step are (op_samples(device) made the sample there); the oracle runs there too, in float64."""
+    model, x = build(sample, device=device)
+    if not is_per_sample(model, x):
+        return "NA", "not per sample as written"
+    ref, C = oracle(model, x)
+    batches = [(x, ref)] + ([(x[:3], None)] if unbacked else [])
+    backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B, schedule=schedule,
+                                  compiler=compiler)
+
+    def step(xx):
+        loss = batch_loss(model(xx), xx.shape[0])
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend)
+    worst = 0.0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for xx, want in batches:
+                if want is None:  # the same C and expected batch size: a smaller batch of the same step
+                    want = dp_reference(model, per_sample_loss, (xx,), (), max_grad_norm=C,
+                                        expected_batch_size=B)[0]["w"]
+                model.zero_grad(set_to_none=True)
+                xx = xx.clone()
+                if unbacked:
+                    dpcompile.mark_batch(xx)
+                compiled(xx)
+                if model.w.grad is None:
+                    return "FAIL", f"no gradient for w (batch of {xx.shape[0]})"
+                worst = max(worst, _error(model.w.grad, want))
+    except Exception as exc:  # noqa: BLE001 - classified: refused, torch's own failure, or ours
+        return _outcome(exc, lambda: _stock_fails(model, [b for b, _ in batches], unbacked))
+    ok = worst <= _tolerance(model, x)
+    return ("PASS" if ok else "FAIL"), f"relative error {worst:.2e}"
+
+
+def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compiler: str = "eager") -> dict:
+    """Each sample through a private_step over ``fully_shard(model, mesh=mesh)`` on this rank (every rank calls
+    this with the same samples): {sample id: (outcome, detail)}. The batch is split unevenly (rank 0 one sample
+    more than an even share), then given whole to the ranks but the last, through one graph; each rank's
+    gathered gradient against the oracle of the whole batch. Schedules alternate over the samples."""
+    import torch.distributed as dist
+
+    cuts = [min(B, B // world + 1) if r == 0 else B // world for r in range(world - 1)]
+    cuts.append(B - sum(cuts))
+    empty_last = [B // (world - 1)] * (world - 1) + [0]
+    empty_last[-2] += B - sum(empty_last)
+    results = {}
+    for k, sample in enumerate(samples):
+        schedule = ("bk", "ghost")[k % 2]
+        model, x = build(sample, scalar_as_vector=True)
+        if not is_per_sample(model, x):
+            results[sample.id] = ("NA", "not per sample as written")
+            continue
+        ref, C = oracle(model, x)
+        tol = _tolerance(model, x)
+        dpcompile.fully_shard(model, mesh=mesh)
+
+        def step(xx):
+            batch_loss(model(xx), xx.shape[0]).backward()
+
+        torch._dynamo.reset()
+        private = dpcompile.private_step(step, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B,
+                                         schedule=schedule, compiler=compiler)
+        worst = 0.0
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for split in (cuts, empty_last):
+                    lo = sum(split[:rank])
+                    model.zero_grad(set_to_none=True)
+                    private(x[lo:lo + split[rank]].clone())
+                    (grad,) = [p.grad for p in model.parameters()]  # fully_shard's w, read through named params
+                    if grad is None:
+                        raise AssertionError(f"no gradient for w (per-rank batches {split})")
+                    worst = max(worst, _error(grad.full_tensor().view(ref.shape), ref))
+            ok = worst <= tol
+            results[sample.id] = ("PASS" if ok else "FAIL", f"{schedule}: relative error {worst:.2e}")
+        except Exception as exc:  # noqa: BLE001 - stock FSDP2 collectives cannot be traced: no stock comparison
+            exc = _unwrap(exc)
+            kind = "REFUSED" if isinstance(exc, dpcompile.DPCompileError) else "FAIL"
+            results[sample.id] = (kind, f"{schedule}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
+        dist.barrier()  # the ranks agree on every sample's collectives before the next
+    return results
+
+
+def _sharded_rank(rank, world, tmp, names, compiler):
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    results = sharded_checks(op_samples(names=names), init_device_mesh("cpu", (world,)), rank, world, compiler)
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", help="comma-separated op_db names (with .variant), default every op")
+    parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
+    parser.add_argument("--schedules", default="bk,ghost", help='comma-separated, or "alternate"')
+    parser.add_argument("--unbacked", action="store_true", help="mark the batch unbacked; a second batch of 3")
+    parser.add_argument("--shard", type=int, default=0, help="N gloo ranks, dpcompile.fully_shard")
+    parser.add_argument("--device", default="cpu", help="one process: where the step runs (cuda: Triton)")
+    parser.add_argument("--part", help="k/n: the k-th of n slices of the ops (parallel processes)")
+    args = parser.parse_args()
+    names = set(args.ops.split(",")) if args.ops else None
+    counts: dict[str, int] = {}
+    if args.shard:
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.multiprocessing.spawn(_sharded_rank, args=(args.shard, tmp, names, args.compiler), nprocs=args.shard)
+            per_rank = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.shard)]
+        for sid in per_rank[0]:
+            worst = min((r[sid] for r in per_rank), key=lambda o: ["FAIL", "REFUSED", "NA", "PASS"].index(o[0]))
+            counts[worst[0]] = counts.get(worst[0], 0) + 1
+            print(f"{worst[0]:8s} {sid:45s} {worst[1]}", flush=True)
+    else:
+        samples = op_samples(args.device, names=names)
+        if args.part:
+            k, n = (int(v) for v in args.part.split("/"))
+            mine = set(sorted({s.name for s in samples})[k - 1::n])
+            samples = [s for s in samples if s.name in mine]
+        for sample in samples:
+            # "alternate": bk for a sample's first form, ghost for its second (half the compiles)
+            alternate = args.schedules == "alternate"
+            schedules = [("bk", "ghost")[sample.index % 2]] if alternate else args.schedules.split(",")
+            for schedule in schedules:
+                outcome, detail = check(sample, schedule=schedule, compiler=args.compiler, unbacked=args.unbacked,
+                                        device=args.device)
+                counts[outcome] = counts.get(outcome, 0) + 1
+                print(f"{outcome:8s} {sample.id:45s} {schedule:5s} {detail}", flush=True)
+    print(" ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    return 1 if counts.get("FAIL") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

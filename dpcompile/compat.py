@@ -68,6 +68,9 @@ its input is empty (``size_oblivious_roll``: torch's gather without the question
 ``torch.logsumexp`` asks whether its input is empty (``size_oblivious_logsumexp``: torch's formula without the
 question where no reduced dim is unbacked).
 
+``torch.cummax`` and ``torch.cummin``'s fake kernel asks whether the input is empty before it checks the dim
+(``size_oblivious_cummaxmin``: the same outputs without the question).
+
 ``torch.linalg.solve_triangular``'s fake kernel asks whether A is contiguous before whether it is conjugated
 (``size_oblivious_solve_triangular``: for a real A, the answer torch's other branch gives).
 
@@ -1126,6 +1129,47 @@ def size_oblivious_solve_triangular() -> None:
     _solve_triangular_meta_lib = lib
     op.py_kernels[DispatchKey.Meta] = linalg_solve_triangular
     op._dispatch_cache.clear()
+
+
+_cummaxmin_meta_lib = None  # the Library holding size_oblivious_cummaxmin's Meta kernels (kept alive)
+
+
+def size_oblivious_cummaxmin() -> None:
+    """``torch.cummax`` / ``torch.cummin`` (a running maximum along a sequence) with an unbacked batch size: torch's
+    fake kernel (torch 2.11 and 2.13) asks whether the input is empty (``Eq(12*u0, 0)``) before it checks the dim,
+    which an unbacked size cannot answer: dynamo splits the step there. The outputs (values and int64 indices of
+    the input's shape) do not depend on the answer, and the dim is checked either way. Every call without an
+    unbacked size is torch's own."""
+    global _cummaxmin_meta_lib
+    if _cummaxmin_meta_lib is not None:
+        return
+    import torch
+    from torch._C import DispatchKey
+    from torch._prims_common import canonicalize_dim
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    lib = torch.library.Library("aten", "IMPL")
+    for name in ("cummax", "cummin"):
+        op = getattr(torch.ops.aten, name).default
+        original = op.py_kernels.get(DispatchKey.Meta)
+        if original is None:
+            continue
+
+        def kernel(self, dim, original=original):
+            if not free_unbacked_symbols(self.shape):
+                return original(self, dim)
+            canonicalize_dim(self.ndim, dim)  # raises on a dim out of range, as torch's check
+            return (torch.empty(self.shape, device=self.device, dtype=self.dtype),
+                    torch.empty(self.shape, device=self.device, dtype=torch.int64))
+
+        _mark_wrapper(kernel, original)
+        try:
+            impl_overriding(lib, name, kernel, "Meta")
+        except RuntimeError:  # the kernel stays torch's: only an unbacked batch meets the question
+            continue
+        op.py_kernels[DispatchKey.Meta] = kernel
+        op._dispatch_cache.clear()
+    _cummaxmin_meta_lib = lib
 
 
 def channels_last_strides(shape, strides) -> bool:

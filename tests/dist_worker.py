@@ -451,7 +451,7 @@ def op_sweep(rank, world, init_file, out_dir, names):
     import op_sweep as sweep
 
     mesh = _init(rank, world, init_file)
-    samples = [s for s in sweep.op_samples(names=set(names)) if sweep.is_per_sample(*sweep.build(s))]
+    samples = sweep.op_samples(names=set(names)) + sweep.hand_samples()
     results = sweep.sharded_checks(samples, mesh, rank, world)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -9,9 +9,13 @@ Outcomes, one line per op sample and run:
   PASS     the DP step's gradient is the oracle's (vmap(grad) per sample, clipped with C at the median norm)
   REFUSED  DPCompileError: dp_fsdp cannot prove the step per sample (an op that mixes samples, say)
   TORCH    stock torch.compile of the same step (aot_eager, the same batch marking) fails as well
-  NA       nothing to check: the model as written is not per sample (row i of its output is not the model on
-           sample i alone: the op reduces, sorts or broadcasts along the batch), or it fails in eager
-  FAIL     anything else: a wrong gradient, a crash
+  NA       nothing to check: the model fails in eager, or the oracle cannot run it
+  FAIL     anything else: a wrong gradient, a crash, a step that ran although its samples mix
+A model whose output row i is the model on sample i alone is checked against vmap(grad) of the model on one
+sample. Any other (the op reduces, sorts or broadcasts along the batch dim) is checked by what its samples do to
+each other: with w copied once per sample (``x * W``, W [B, *shape]), the loss's gradient through each sample's
+copy is that sample's gradient wherever it moves with that sample's input alone, and the step is checked
+against those; where another sample's input moves it, the samples mix and the step must be REFUSED.
 Under --shard the model is sharded with dpcompile.fully_shard (a scalar ``w`` is stored with shape [1] and read
 as a scalar: fully_shard refuses 0-dim parameters) and run on N gloo ranks, the batch split unevenly, then with
 the last rank given nothing, through one graph.
@@ -25,6 +29,7 @@ Run by hand (CI runs a slice: tests/test_op_sweep.py):
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import sys
@@ -89,6 +94,21 @@ def op_samples(device: str = "cpu", names=None, per_op: int = 2) -> list[OpSampl
     return out
 
 
+def hand_samples() -> list[OpSample]:
+    """Forms op_db's samples do not reach, each checked in CI on one process and sharded (tests/test_op_sweep.py):
+    ops whose rule the sweep asked for, along a dim that is not the batch's, and the diagonal across it."""
+    def make(name, op, shape, *args, **kwargs):
+        return OpSample(name, 0, op, shape, args, kwargs)
+
+    return [make("diagonal_dims_1_2", torch.diagonal, (3, 4, 4), 1, 1, 2),  # [B, 3, 4, 4]: dims 2 and 3
+            make("diagonal_across_samples", torch.diagonal, (4,), 0, 0, 1),  # [B, 4]: the samples' diagonal
+            make("kthvalue_last", torch.kthvalue, (3, 5), 2),
+            make("mode_middle", torch.mode, (4, 3), 1),
+            make("cummax_last", torch.cummax, (3, 4), -1),
+            make("cummin_middle", torch.cummin, (4, 3), 1),
+            make("conj_of_hfft", lambda t: torch.fft.hfft(torch.fft.rfft(t)), (3, 6))]
+
+
 class OpModel(torch.nn.Module):
     def __init__(self, sample: OpSample, scalar_as_vector: bool = False):
         super().__init__()
@@ -137,6 +157,48 @@ def is_per_sample(model, x) -> bool:
                                       equal_nan=True) for i in range(x.shape[0]))
     except Exception:  # noqa: BLE001 - an op that fails in eager has nothing to check
         return False
+
+
+def _grads_through_each_sample(model, x) -> torch.Tensor:
+    """[n, *w.shape]: the batch loss's gradient through each sample's own use of w (w copied once per sample:
+    ``x * W``, W [n, *shape]), times n (the loss is a mean): sample i's gradient wherever the loss is a sum of
+    terms of one sample each, whatever the op does with the batch dim."""
+    n = x.shape[0]
+    w = model.w.detach().view(()) if model.as_scalar else model.w.detach()
+    W = w.expand(n, *w.shape).clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(batch_loss(model.op(x * W, *model.args, **model.kwargs), n), [W], allow_unused=True)
+    g = torch.zeros_like(W) if g is None else g
+    return (g * n).reshape(n, *model.w.shape)
+
+
+def samples_mix(model, x) -> bool | None:
+    """Whether a sample's gradient (``_grads_through_each_sample``) moves when another sample's input does: the
+    op mixes samples, and a DP step must refuse it. None where the model fails in eager."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g = _grads_through_each_sample(model, x)
+            for j in range(x.shape[0]):
+                moved = x.clone()
+                moved[j] = moved[j] + 0.5 * torch.randn_like(moved[j])
+                h = _grads_through_each_sample(model, moved)
+                others = [i for i in range(x.shape[0]) if i != j]
+                if not torch.allclose(g[others], h[others], rtol=1e-7, atol=1e-10, equal_nan=True):
+                    return True
+            return False
+    except Exception:  # noqa: BLE001 - an op that fails in eager has nothing to check
+        return None
+
+
+def _clipped(g: torch.Tensor):
+    """(clipped sum / B, C) of per-sample gradients g [n, ...], C their finite norms' median (1.0 if none)."""
+    from reference import clip_and_sum
+
+    norms = g.reshape(g.shape[0], -1).norm(dim=1)
+    finite = norms[norms.isfinite()]
+    C = float(finite.median()) if finite.numel() else 1.0
+    C = C if C > 0 else 1.0
+    return clip_and_sum({"w": g}, max_grad_norm=C, expected_batch_size=B)[0]["w"], C
 
 
 def oracle(model, x):
@@ -197,10 +259,20 @@ def check(sample: OpSample, *, schedule: str, compiler: str = "eager", unbacked:
     dpcompile.mark_batch, and a second batch of 3 samples through the same graph. device: where the sample, the
     model and the step are (op_samples(device) made the sample there); the oracle runs there too, in float64."""
     model, x = build(sample, device=device)
-    if not is_per_sample(model, x):
-        return "NA", "not per sample as written"
-    ref, C = oracle(model, x)
-    batches = [(x, ref)] + ([(x[:3], None)] if unbacked else [])
+    mixes = False
+    if is_per_sample(model, x):  # the oracle: vmap(grad) of the model on one sample
+        try:
+            ref, C = oracle(model, x)
+        except Exception as exc:  # noqa: BLE001 - vmap and the per-sample loop both fail: nothing to compare with
+            return "NA", f"the oracle cannot run it: {type(exc).__name__}"
+        batches = [(x, ref)] + ([(x[:3], None)] if unbacked else [])
+    else:  # not per sample as written: the op mixes samples (the step must be refused), or the loss is still a
+        # sum of one term per sample (an operand broadcast along the batch dim): each sample's gradient directly
+        mixes = samples_mix(model, x)
+        if mixes is None:
+            return "NA", "fails in eager"
+        ref, C = _clipped(_grads_through_each_sample(model, x)) if not mixes else (None, 1.0)
+        batches = [(x, ref)]
     backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B, schedule=schedule,
                                   compiler=compiler)
 
@@ -224,20 +296,25 @@ def check(sample: OpSample, *, schedule: str, compiler: str = "eager", unbacked:
                 if unbacked:
                     dpcompile.mark_batch(xx)
                 compiled(xx)
+                if mixes:
+                    return "FAIL", "a step whose samples mix ran: it must be refused"
                 if model.w.grad is None:
                     return "FAIL", f"no gradient for w (batch of {xx.shape[0]})"
                 worst = max(worst, _error(model.w.grad, want))
     except Exception as exc:  # noqa: BLE001 - classified: refused, torch's own failure, or ours
-        return _outcome(exc, lambda: _stock_fails(model, [b for b, _ in batches], unbacked))
+        outcome, detail = _outcome(exc, lambda: _stock_fails(model, [b for b, _ in batches], unbacked))
+        return outcome, ("samples mix; " if mixes else "") + detail
     ok = worst <= _tolerance(model, x)
     return ("PASS" if ok else "FAIL"), f"relative error {worst:.2e}"
 
 
-def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compiler: str = "eager") -> dict:
+def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compiler: str = "eager",
+                   verbose: bool = False) -> dict:
     """Each sample through a private_step over ``fully_shard(model, mesh=mesh)`` on this rank (every rank calls
     this with the same samples): {sample id: (outcome, detail)}. The batch is split unevenly (rank 0 one sample
     more than an even share), then given whole to the ranks but the last, through one graph; each rank's
-    gathered gradient against the oracle of the whole batch. Schedules alternate over the samples."""
+    gathered gradient against the oracle of the whole batch. Schedules alternate over the samples. verbose: rank 0
+    prints each sample's outcome on this rank as it comes."""
     import torch.distributed as dist
 
     cuts = [min(B, B // world + 1) if r == 0 else B // world for r in range(world - 1)]
@@ -248,11 +325,21 @@ def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compile
     for k, sample in enumerate(samples):
         schedule = ("bk", "ghost")[k % 2]
         model, x = build(sample, scalar_as_vector=True)
-        if not is_per_sample(model, x):
-            results[sample.id] = ("NA", "not per sample as written")
+        mixes = False
+        try:  # as in check (the same on every rank)
+            if is_per_sample(model, x):
+                ref, C = oracle(model, x)
+            else:
+                mixes = samples_mix(model, x)
+                if mixes is None:
+                    results[sample.id] = ("NA", "fails in eager")
+                    continue
+                ref, C = _clipped(_grads_through_each_sample(model, x)) if not mixes else (None, 1.0)
+        except Exception as exc:  # noqa: BLE001
+            results[sample.id] = ("NA", f"the oracle cannot run it: {type(exc).__name__}")
             continue
-        ref, C = oracle(model, x)
         tol = _tolerance(model, x)
+        plain = copy.deepcopy(model)  # for stock torch.compile, should the step fail
         dpcompile.fully_shard(model, mesh=mesh)
 
         def step(xx):
@@ -269,16 +356,23 @@ def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compile
                     lo = sum(split[:rank])
                     model.zero_grad(set_to_none=True)
                     private(x[lo:lo + split[rank]].clone())
+                    if mixes:
+                        raise AssertionError("a step whose samples mix ran: it must be refused")
                     (grad,) = [p.grad for p in model.parameters()]  # fully_shard's w, read through named params
                     if grad is None:
                         raise AssertionError(f"no gradient for w (per-rank batches {split})")
                     worst = max(worst, _error(grad.full_tensor().view(ref.shape), ref))
             ok = worst <= tol
             results[sample.id] = ("PASS" if ok else "FAIL", f"{schedule}: relative error {worst:.2e}")
-        except Exception as exc:  # noqa: BLE001 - stock FSDP2 collectives cannot be traced: no stock comparison
+        except Exception as exc:  # noqa: BLE001 - classified as in check; torch's own failure by stock
+            # torch.compile of the unsharded model with an unbacked batch (stock FSDP2 cannot be traced)
             exc = _unwrap(exc)
-            kind = "REFUSED" if isinstance(exc, dpcompile.DPCompileError) else "FAIL"
-            results[sample.id] = (kind, f"{schedule}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
+            kind = "REFUSED" if isinstance(exc, dpcompile.DPCompileError) else \
+                "TORCH" if _stock_fails(plain, [x], unbacked=True) else "FAIL"
+            why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            results[sample.id] = (kind, f"{schedule}: {'samples mix; ' if mixes else ''}{why}")
+        if rank == 0 and verbose:
+            print(f"rank 0: {results[sample.id][0]:8s} {sample.id:45s} {results[sample.id][1]}", flush=True)
         dist.barrier()  # the ranks agree on every sample's collectives before the next
     return results
 
@@ -292,7 +386,8 @@ def _sharded_rank(rank, world, tmp, names, compiler):
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    results = sharded_checks(op_samples(names=names), init_device_mesh("cpu", (world,)), rank, world, compiler)
+    results = sharded_checks(op_samples(names=names), init_device_mesh("cpu", (world,)), rank, world, compiler,
+                             verbose=True)
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -317,7 +412,8 @@ def main() -> int:
             torch.multiprocessing.spawn(_sharded_rank, args=(args.shard, tmp, names, args.compiler), nprocs=args.shard)
             per_rank = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.shard)]
         for sid in per_rank[0]:
-            worst = min((r[sid] for r in per_rank), key=lambda o: ["FAIL", "REFUSED", "NA", "PASS"].index(o[0]))
+            order = ["FAIL", "TORCH", "REFUSED", "NA", "PASS"]
+            worst = min((r[sid] for r in per_rank), key=lambda o: order.index(o[0]))
             counts[worst[0]] = counts.get(worst[0], 0) + 1
             print(f"{worst[0]:8s} {sid:45s} {worst[1]}", flush=True)
     else:

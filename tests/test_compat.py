@@ -785,6 +785,28 @@ def test_logsumexp_of_an_unbacked_batch_traces_whole_with_eagers_gradient(device
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_cummax_and_cummin_of_an_unbacked_batch_trace_whole_with_eagers_gradient(device, backend):
+    """torch.cummax and torch.cummin along the sequence with an unbacked batch: their fake kernel asks whether
+    the input is empty (Eq(20*u0, 0)) and dynamo broke the graph there (fullgraph raises without
+    size_oblivious_cummaxmin). The values' gradient and the indices are eager's for batches of 3, 1 and 0."""
+    import torch
+
+    from dpcompile.compat import size_oblivious_cummaxmin
+
+    size_oblivious_cummaxmin()
+    w = torch.nn.Parameter(torch.randn(4, 20, device=device))
+
+    def loss(x):
+        o = (x @ w).view(-1, 4, 5)
+        hi, at = torch.cummax(o, -1)
+        lo, _ = torch.cummin(o, 1)
+        return hi.sin().sum() + lo.pow(2).sum() + (hi * (at == 4)).sum()
+
+    _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_cumsum_and_roll_of_an_unbacked_batch_trace_whole_with_eagers_gradient(device, backend):
     """torch.cumsum and torch.roll along the sequence with an unbacked batch (a sharded step's): roll's
     decomposition asks whether its input is empty (Eq(20*u0, 0): dynamo broke the graph, size_oblivious_roll)

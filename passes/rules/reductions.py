@@ -42,6 +42,11 @@ def _reduction(an, node):
         d = args[1] if args[1] is not None else kw.get("dim")
         dims = list(range(n)) if d is None else ([d] if isinstance(d, int) else list(d))
         keep = bool(kw.get("keepdim", False))
+    elif packet in (aten.mode, aten.kthvalue):  # (values, indices) of one dim, -1 by default
+        i = 2 if packet is aten.kthvalue else 1
+        d = args[i] if args[i] is not None else kw.get("dim", -1)
+        dims = [d]
+        keep = bool(args[i + 1] if args[i + 1] is not None else kw.get("keepdim", False))
     elif packet is aten.linalg_vector_norm:
         d = args[2] if args[2] is not None else kw.get("dim")
         dims = list(range(n)) if d is None else ([d] if isinstance(d, int) else list(d))
@@ -109,8 +114,10 @@ def _reduction_with_hook(an, node):
 
 RULES: dict[Any, Any] = {}
 for p in (aten.sum, aten.mean, aten.amax, aten.amin, aten.var_mean, aten.var, aten.std, aten.std_mean, aten.prod,
-          aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all, aten.max, aten.min, aten.linalg_vector_norm):
+          aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all, aten.max, aten.min, aten.linalg_vector_norm,
+          aten.mode, aten.kthvalue):
     RULES[p] = _reduction_with_hook
 for p in (aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
-          aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.sort, aten.topk, aten.glu, aten.glu_backward):
+          aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin, aten.sort, aten.topk, aten.glu,
+          aten.glu_backward):
     RULES[p] = _along_dim

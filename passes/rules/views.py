@@ -159,6 +159,22 @@ def _select(an, node):
     return s.moved(s.dim - (1 if k < s.dim else 0))
 
 
+def _diagonal(an, node):
+    """diagonal(x, offset, dim1, dim2): dim1 and dim2 go, the diagonal is a new last dim; per sample unless one
+    of the two is the sample dim (a diagonal across samples)."""
+    x = node.args[0]
+    s = an.st(x)
+    if s.dim is None:
+        return s
+    n = ndim(x)
+    args = list(node.args) + [None] * 3
+    d1 = norm_dim(args[2] if args[2] is not None else node.kwargs.get("dim1", 0), n)
+    d2 = norm_dim(args[3] if args[3] is not None else node.kwargs.get("dim2", 1), n)
+    if s.dim in (d1, d2):
+        return fail_layout(an, node, "takes a diagonal across the sample dim")
+    return s.moved(s.dim - sum(1 for d in (d1, d2) if d < s.dim))
+
+
 def _split(an, node):
     x = node.args[0]
     s = an.st(x)
@@ -277,6 +293,32 @@ def _slice_scatter(an, node):
     return found
 
 
+def _diagonal_scatter(an, node):
+    """diagonal_scatter(base, src, offset, dim1, dim2): the backward of diagonal; src is laid out as the
+    base's diagonal (dim1 and dim2 gone, the diagonal last)."""
+    base, src = node.args[0], node.args[1]
+    n = ndim(base)
+    args = list(node.args) + [None] * 3
+    d1 = norm_dim(args[3] if args[3] is not None else node.kwargs.get("dim1", 0), n)
+    d2 = norm_dim(args[4] if args[4] is not None else node.kwargs.get("dim2", 1), n)
+    rest = [d for d in range(n) if d not in (d1, d2)]  # base's dim of each of src's dims but the last
+    found = None
+    for s, from_src in ((an.st(base), False), (an.st(src), True)):
+        if not (isinstance(s, Batched) and s.dim is not None):
+            continue
+        if from_src and s.dim >= len(rest):
+            return fail_layout(an, node, "scatters a diagonal across the sample dim")
+        cand = s.moved(rest[s.dim] if from_src else s.dim)
+        if found is not None and found != cand:
+            return fail_layout(an, node, "scatters between tensors with different sample dims")
+        found = cand
+    if found is None:
+        return SINGLE
+    if found.dim in (d1, d2):
+        return fail_layout(an, node, "scatters a diagonal across the sample dim")
+    return found
+
+
 def _scattered_blocks(an, node, sb, ss, k):
     """slice_scatter along the sample dim that writes whole copies of the batch at a whole copy's place (the
     backward of ``_sliced_blocks``' slice: ``t[B:2B]`` of a tensor tiled twice) leaves every row its sample:
@@ -351,7 +393,8 @@ RULES[aten.as_strided] = _as_strided
 RULES[aten.as_strided_scatter] = _as_strided_scatter
 for p in (aten.view, aten._unsafe_view, aten.reshape):
     RULES[p] = _view
-for p in (aten.clone, aten.alias, aten._to_copy, aten.detach, aten.lift_fresh_copy, aten.contiguous):
+# _conj: a complex tensor's conjugate as a view (torch.conj, the backward of complex ops), entry by entry
+for p in (aten.clone, aten.alias, aten._to_copy, aten.detach, aten.lift_fresh_copy, aten.contiguous, aten._conj):
     RULES[p] = _identity
 RULES[aten.permute] = _permute
 RULES[aten.transpose] = _transpose
@@ -362,6 +405,7 @@ RULES[aten.expand] = _expand
 RULES[aten.repeat] = _repeat
 RULES[aten.slice] = _slice
 RULES[aten.select] = _select
+RULES[aten.diagonal] = _diagonal
 for p in (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk):
     RULES[p] = _split
 RULES[aten.cat] = _cat
@@ -371,3 +415,4 @@ RULES[aten.flip] = _flip
 RULES[torch.ops.prims.rev] = _flip
 RULES[aten.slice_scatter] = _slice_scatter
 RULES[aten.select_scatter] = _slice_scatter
+RULES[aten.diagonal_scatter] = _diagonal_scatter

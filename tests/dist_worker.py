@@ -445,7 +445,8 @@ def noise(rank, world, init_file, out_dir, seed, last_dim=False):
 
 
 def op_sweep(rank, world, init_file, out_dir, names):
-    """op_sweep.sharded_checks of the named ops' per-sample samples: {sample id: (outcome, detail)} per rank."""
+    """op_sweep.sharded_checks of the named ops' samples and the hand-made ones: {sample id: (outcome, detail)}
+    per rank."""
     import json
 
     import op_sweep as sweep

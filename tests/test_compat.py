@@ -546,8 +546,10 @@ def test_convolution_over_tokens_with_an_unbacked_batch(schedule, compiler):
     C = float(norms.median())
     step, backend = compile_step(model, M.mse, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=4,
                                  schedule=schedule, compiler=compiler)
+    # fp32 against the fp64 oracle: 1e-6 of the largest gradient, as test_per_sample_clipping's fp32 nets (one
+    # element was 1.9e-7 off on a 2-core CI machine, 1e-7 absolute allowed)
     clipped, unclipped = check_batches_against_reference(model, M.mse, step, batches, max_grad_norm=C,
-                                                         expected_batch_size=4)
+                                                         expected_batch_size=4, atol_of_largest=1e-6)
     assert clipped and unclipped
     assert len([r for r in backend.compiled if r.dp]) == 1
 

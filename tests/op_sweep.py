@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 import dpcompile
-from reference import dp_reference
+from reference import clip_and_sum, per_sample_gradients
 
 B = 5
 # ops whose values are random draws (a sample's gradient would depend on the draw order) or whose inputs are
@@ -190,26 +190,36 @@ def samples_mix(model, x) -> bool | None:
         return None
 
 
-def _clipped(g: torch.Tensor):
-    """(clipped sum / B, C) of per-sample gradients g [n, ...], C their finite norms' median (1.0 if none)."""
-    from reference import clip_and_sum
-
-    norms = g.reshape(g.shape[0], -1).norm(dim=1)
-    finite = norms[norms.isfinite()]
-    C = float(finite.median()) if finite.numel() else 1.0
-    C = C if C > 0 else 1.0
+def _clipped(g: torch.Tensor, C: float | None = None):
+    """(clipped sum / B in float64, C) of per-sample gradients g [n, ...]. C: by default the median of their finite
+    norms, so that some samples are clipped and some are not; 1.0 where there is none or it is 0."""
+    if C is None:
+        norms = g.reshape(g.shape[0], -1).norm(dim=1)
+        finite = norms[norms.isfinite()]
+        C = float(finite.median()) if finite.numel() else 1.0
+        C = C if C > 0 else 1.0
     return clip_and_sum({"w": g}, max_grad_norm=C, expected_batch_size=B)[0]["w"], C
 
 
-def oracle(model, x):
-    """(clipped gradient of w in float64, C): C is the median of the finite per-sample norms, so that some
-    samples are clipped and some are not; 1.0 where every norm is 0."""
-    _, norms = dp_reference(model, per_sample_loss, (x,), (), max_grad_norm=1.0, expected_batch_size=B)
-    finite = norms[norms.isfinite()]
-    C = float(finite.median()) if finite.numel() else 1.0
-    C = C if C > 0 else 1.0
-    ref, _ = dp_reference(model, per_sample_loss, (x,), (), max_grad_norm=C, expected_batch_size=B)
-    return ref["w"], C
+def oracle(model, x, C: float | None = None):
+    """(clipped gradient of w in float64, C) from vmap(grad) of the model on one sample (``_clipped``)."""
+    return _clipped(per_sample_gradients(model, per_sample_loss, (x,), ())["w"], C)
+
+
+def expected(model, x):
+    """What a DP step of the model on batch x must give: (kind, clipped gradient of w or None, C), kind "per sample"
+    (row i of the output is the model on sample i alone: the vmap oracle), "own terms" (not so written, as an
+    operand broadcast along the batch dim, but each sample's gradient through its own copy of w moves with its
+    input alone: those) or "mixes" (the step must be refused); or the reason there is nothing to check."""
+    try:
+        if is_per_sample(model, x):
+            return ("per sample", *oracle(model, x))
+        mixes = samples_mix(model, x)
+        if mixes is None:
+            return "fails in eager"
+        return ("mixes", None, 1.0) if mixes else ("own terms", *_clipped(_grads_through_each_sample(model, x)))
+    except Exception as exc:  # noqa: BLE001 - vmap and the per-sample loop both fail: nothing to compare with
+        return f"the oracle cannot run it: {type(exc).__name__}"
 
 
 def _tolerance(model, x) -> float:
@@ -262,20 +272,12 @@ def check(sample: OpSample, *, schedule: str, compiler: str = "eager", unbacked:
     dpcompile.mark_batch, and a second batch of 3 samples through the same graph. device: where the sample, the
     model and the step are (op_samples(device) made the sample there); the oracle runs there too, in float64."""
     model, x = build(sample, device=device)
-    mixes = False
-    if is_per_sample(model, x):  # the oracle: vmap(grad) of the model on one sample
-        try:
-            ref, C = oracle(model, x)
-        except Exception as exc:  # noqa: BLE001 - vmap and the per-sample loop both fail: nothing to compare with
-            return "NA", f"the oracle cannot run it: {type(exc).__name__}"
-        batches = [(x, ref)] + ([(x[:3], None)] if unbacked else [])
-    else:  # not per sample as written: the op mixes samples (the step must be refused), or the loss is still a
-        # sum of one term per sample (an operand broadcast along the batch dim): each sample's gradient directly
-        mixes = samples_mix(model, x)
-        if mixes is None:
-            return "NA", "fails in eager"
-        ref, C = _clipped(_grads_through_each_sample(model, x)) if not mixes else (None, 1.0)
-        batches = [(x, ref)]
+    want = expected(model, x)
+    if isinstance(want, str):
+        return "NA", want
+    kind, ref, C = want
+    mixes = kind == "mixes"
+    batches = [(x, ref)] + ([(x[:3], None)] if unbacked and kind == "per sample" else [])
     backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B, schedule=schedule,
                                   compiler=compiler)
 
@@ -292,8 +294,7 @@ def check(sample: OpSample, *, schedule: str, compiler: str = "eager", unbacked:
             warnings.simplefilter("ignore")
             for xx, want in batches:
                 if want is None:  # the same C and expected batch size: a smaller batch of the same step
-                    want = dp_reference(model, per_sample_loss, (xx,), (), max_grad_norm=C,
-                                        expected_batch_size=B)[0]["w"]
+                    want = oracle(model, xx, C)[0]
                 model.zero_grad(set_to_none=True)
                 xx = xx.clone()
                 if unbacked:
@@ -328,19 +329,12 @@ def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compile
     for k, sample in enumerate(samples):
         schedule = ("bk", "ghost")[k % 2]
         model, x = build(sample, scalar_as_vector=True)
-        mixes = False
-        try:  # as in check (the same on every rank)
-            if is_per_sample(model, x):
-                ref, C = oracle(model, x)
-            else:
-                mixes = samples_mix(model, x)
-                if mixes is None:
-                    results[sample.id] = ("NA", "fails in eager")
-                    continue
-                ref, C = _clipped(_grads_through_each_sample(model, x)) if not mixes else (None, 1.0)
-        except Exception as exc:  # noqa: BLE001
-            results[sample.id] = ("NA", f"the oracle cannot run it: {type(exc).__name__}")
+        want = expected(model, x)  # the same on every rank
+        if isinstance(want, str):
+            results[sample.id] = ("NA", want)
             continue
+        kind, ref, C = want
+        mixes = kind == "mixes"
         tol = _tolerance(model, x)
         plain = copy.deepcopy(model)  # for stock torch.compile, should the step fail
         dpcompile.fully_shard(model, mesh=mesh)
@@ -369,11 +363,8 @@ def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compile
             results[sample.id] = ("PASS" if ok else "FAIL", f"{schedule}: relative error {worst:.2e}")
         except Exception as exc:  # noqa: BLE001 - classified as in check; torch's own failure by stock
             # torch.compile of the unsharded model with an unbacked batch (stock FSDP2 cannot be traced)
-            exc = _unwrap(exc)
-            kind = "REFUSED" if isinstance(exc, dpcompile.DPCompileError) else \
-                "TORCH" if _stock_fails(plain, [x], unbacked=True) else "FAIL"
-            why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-            results[sample.id] = (kind, f"{schedule}: {'samples mix; ' if mixes else ''}{why}")
+            outcome, why = _outcome(exc, lambda: _stock_fails(plain, [x], unbacked=True))
+            results[sample.id] = (outcome, f"{schedule}: {'samples mix; ' if mixes else ''}{why}")
         if rank == 0 and verbose:
             print(f"rank 0: {results[sample.id][0]:8s} {sample.id:45s} {results[sample.id][1]}", flush=True)
         dist.barrier()  # the ranks agree on every sample's collectives before the next

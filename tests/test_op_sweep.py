@@ -77,4 +77,5 @@ def test_sharded_op_samples_are_exact_or_refused(shared_ranks):
     assert sum(r[sid][0] == "PASS" for r in per_rank for sid in r) >= 2 * 5, per_rank
     for r in per_rank:  # the hand samples (op_sweep.hand_samples), whatever the slice
         assert r.pop("diagonal_across_samples#0")[0] == "REFUSED", r
-        assert all(r[f"{s.name}#0"][0] == "PASS" for s in op_sweep.hand_samples() if f"{s.name}#0" in r), r
+        assert all(r[f"{s.name}#0"][0] == "PASS" for s in op_sweep.hand_samples()
+                   if s.name != "diagonal_across_samples"), r

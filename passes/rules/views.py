@@ -159,6 +159,13 @@ def _select(an, node):
     return s.moved(s.dim - (1 if k < s.dim else 0))
 
 
+def _diagonal_dims(node, at: int, n: int) -> tuple[int, int]:
+    """dim1 and dim2 of diagonal (at=2) or diagonal_scatter (at=3: after base and src), of a tensor of n dims."""
+    args = list(node.args) + [None] * 4
+    return (norm_dim(args[at] if args[at] is not None else node.kwargs.get("dim1", 0), n),
+            norm_dim(args[at + 1] if args[at + 1] is not None else node.kwargs.get("dim2", 1), n))
+
+
 def _diagonal(an, node):
     """diagonal(x, offset, dim1, dim2): dim1 and dim2 go, the diagonal is a new last dim; per sample unless one
     of the two is the sample dim (a diagonal across samples)."""
@@ -166,10 +173,7 @@ def _diagonal(an, node):
     s = an.st(x)
     if s.dim is None:
         return s
-    n = ndim(x)
-    args = list(node.args) + [None] * 3
-    d1 = norm_dim(args[2] if args[2] is not None else node.kwargs.get("dim1", 0), n)
-    d2 = norm_dim(args[3] if args[3] is not None else node.kwargs.get("dim2", 1), n)
+    d1, d2 = _diagonal_dims(node, 2, ndim(x))
     if s.dim in (d1, d2):
         return fail_layout(an, node, "takes a diagonal across the sample dim")
     return s.moved(s.dim - sum(1 for d in (d1, d2) if d < s.dim))
@@ -298,9 +302,7 @@ def _diagonal_scatter(an, node):
     base's diagonal (dim1 and dim2 gone, the diagonal last)."""
     base, src = node.args[0], node.args[1]
     n = ndim(base)
-    args = list(node.args) + [None] * 3
-    d1 = norm_dim(args[3] if args[3] is not None else node.kwargs.get("dim1", 0), n)
-    d2 = norm_dim(args[4] if args[4] is not None else node.kwargs.get("dim2", 1), n)
+    d1, d2 = _diagonal_dims(node, 3, n)
     rest = [d for d in range(n) if d not in (d1, d2)]  # base's dim of each of src's dims but the last
     found = None
     for s, from_src in ((an.st(base), False), (an.st(src), True)):

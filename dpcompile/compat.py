@@ -1037,6 +1037,26 @@ def impl_overriding(lib, name: str, fn, dispatch_key: str) -> None:
         lib.impl(name, fn, dispatch_key, **override)
 
 
+def override_meta(name: str, kernel, original):
+    """Install ``kernel`` (marked as dpcompile's wrapper of ``original``) as aten ``name``'s Meta kernel, for the
+    dispatcher and for tracing's Python dispatcher: the Library holding it (keep it alive), or None where torch
+    refuses the override (the kernel stays torch's)."""
+    import torch
+    from torch._C import DispatchKey
+
+    _mark_wrapper(kernel, original)
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        impl_overriding(lib, name, kernel, "Meta")
+    except RuntimeError:
+        lib._destroy()
+        return None
+    op = getattr(torch.ops.aten, name).default
+    op.py_kernels[DispatchKey.Meta] = kernel
+    op._dispatch_cache.clear()
+    return lib
+
+
 _conv_backward_meta_lib = None  # the Library holding conv_backward_layout_as_input's Meta kernel (kept alive)
 
 
@@ -1170,6 +1190,70 @@ def size_oblivious_cummaxmin() -> None:
         op.py_kernels[DispatchKey.Meta] = kernel
         op._dispatch_cache.clear()
     _cummaxmin_meta_lib = lib
+
+
+_lu_solve_meta_lib = None  # the Library holding size_oblivious_lu_solve's Meta kernel (kept alive)
+
+
+def size_oblivious_lu_solve() -> None:
+    """``torch.linalg.lu_solve`` with an unbacked batch size, which ``linalg.solve``'s and ``linalg.det``'s
+    backwards run: torch's fake kernel (torch 2.11 and 2.13) makes the result, then asks whether it is empty
+    (``Ne(5*u0, 0)``) before it asks whether the solve is from the right of a complex matrix (to conjugate it).
+    An unbacked size cannot answer, and dynamo splits the step there. For real operands the result is the
+    same either way: the broadcast right-hand side's shape, column-major for a left solve. A complex one, and
+    every call without an unbacked size, is torch's own (the kernel that runs checks the operands as ever)."""
+    global _lu_solve_meta_lib
+    if _lu_solve_meta_lib is not None:
+        return
+    import torch
+    from torch._C import DispatchKey
+    from torch._prims_common import make_contiguous_strides_for
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    op = torch.ops.aten.linalg_lu_solve.default
+    original = op.py_kernels.get(DispatchKey.Meta)
+    broadcast = getattr(importlib.import_module("torch._meta_registrations"), "_linalg_broadcast_batch_dims", None)
+    if original is None or broadcast is None:
+        return
+
+    def linalg_lu_solve(LU, pivots, B, *, left=True, adjoint=False):
+        if LU.is_complex() or B.is_complex() or not (free_unbacked_symbols(LU.shape) or
+                                                     free_unbacked_symbols(B.shape)):
+            return original(LU, pivots, B, left=left, adjoint=adjoint)
+        size, _ = broadcast(B, LU)
+        return torch.empty_strided(size, make_contiguous_strides_for(size, row_major=not left), dtype=B.dtype,
+                                   device=B.device)
+
+    # only an unbacked batch meets the question: where torch refuses the override its kernel stays
+    _lu_solve_meta_lib = override_meta("linalg_lu_solve", linalg_lu_solve, original)
+
+
+_cdist_backward_meta_lib = None  # the Library holding size_oblivious_cdist_backward's Meta kernel (kept alive)
+
+
+def size_oblivious_cdist_backward() -> None:
+    """``torch.cdist``'s backward with an unbacked batch size (samples' distances to centres or prototypes):
+    torch's fake kernel (torch 2.11 and 2.13) asks whether any size is zero (``Eq(u0, 0)``), to return zeros of x1's
+    layout, which an unbacked size cannot answer: dynamo splits the step there. x1's gradient has the broadcast
+    x1's shape either way, and an empty one holds no value; every call without an unbacked size is torch's own."""
+    global _cdist_backward_meta_lib
+    if _cdist_backward_meta_lib is not None:
+        return
+    import torch
+    from torch._C import DispatchKey
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    original = torch.ops.aten._cdist_backward.default.py_kernels.get(DispatchKey.Meta)
+    if original is None:
+        return
+
+    def cdist_backward(grad, x1, x2, p, cdist):
+        if not any(free_unbacked_symbols(t.shape) for t in (grad, x1, x2, cdist)):
+            return original(grad, x1, x2, p, cdist)
+        size = [*torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2]), *x1.shape[-2:]]
+        return x1.new_empty(size)
+
+    _cdist_backward_meta_lib = override_meta("_cdist_backward", cdist_backward, original)
 
 
 def channels_last_strides(shape, strides) -> bool:

@@ -809,6 +809,31 @@ def test_cummax_and_cummin_of_an_unbacked_batch_trace_whole_with_eagers_gradient
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_solve_det_and_cdist_of_an_unbacked_batch_trace_whole_with_eagers_gradient(device, backend):
+    """torch.linalg.solve and det (whose backwards run linalg_lu_solve) and torch.cdist with an unbacked batch:
+    lu_solve's fake kernel asks whether its result is empty (Ne(5*u0, 0)), cdist's backward whether any size is
+    zero (Eq(u0, 0)), and dynamo broke the graph at each (fullgraph raises without size_oblivious_lu_solve and
+    size_oblivious_cdist_backward). The gradient is eager's for batches of 3, 1 and 0."""
+    import torch
+
+    from dpcompile.compat import size_oblivious_cdist_backward, size_oblivious_lu_solve
+
+    size_oblivious_lu_solve()
+    size_oblivious_cdist_backward()
+    w = torch.nn.Parameter(torch.randn(4, 20, device=device))
+    rhs, centres = torch.randn(4, device=device), torch.randn(3, 5, device=device)
+
+    def loss(x):
+        h = (x @ w).view(-1, 4, 5)
+        a = h[..., :4] + 4 * torch.eye(4, device=device)
+        return (torch.linalg.solve(a, rhs).sin().sum() + torch.linalg.det(a).sum()
+                + torch.cdist(h, centres, p=1.0).sum())
+
+    _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_cumsum_and_roll_of_an_unbacked_batch_trace_whole_with_eagers_gradient(device, backend):
     """torch.cumsum and torch.roll along the sequence with an unbacked batch (a sharded step's): roll's
     decomposition asks whether its input is empty (Eq(20*u0, 0): dynamo broke the graph, size_oblivious_roll)

@@ -41,11 +41,13 @@ def test_the_sweep_tells_per_sample_models_from_the_rest():
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 def test_hand_samples_are_exact_or_their_mixing_refused(schedule):
-    """diagonal (and its backward's diagonal_scatter), kthvalue, mode, cummax, cummin and conj, which the sweep
-    found without a rule: exact along a dim that is not the batch's (static and unbacked); the diagonal across
-    the samples refused."""
+    """diagonal (and its backward's diagonal_scatter), kthvalue, mode, cummax, cummin, conj and torch.linalg (inv,
+    solve, det, slogdet, eigvalsh, svdvals, qr, cholesky, matrix_exp, lu_factor and lu_solve, cdist), which the
+    sweep found without a rule: exact along a dim that is not the batch's (static and unbacked); a diagonal, a
+    matrix or distances taken across the samples refused."""
     got = {s.name: op_sweep.check(s, schedule=schedule, unbacked=schedule == "ghost") for s in op_sweep.hand_samples()}
-    assert got.pop("diagonal_across_samples")[0] == "REFUSED"
+    for name in op_sweep.ACROSS_SAMPLES:
+        assert got.pop(name)[0] == "REFUSED", name
     assert all(outcome == "PASS" for outcome, _ in got.values()), got
 
 
@@ -76,6 +78,7 @@ def test_sharded_op_samples_are_exact_or_refused(shared_ranks):
     assert not bad, bad
     assert sum(r[sid][0] == "PASS" for r in per_rank for sid in r) >= 2 * 5, per_rank
     for r in per_rank:  # the hand samples (op_sweep.hand_samples), whatever the slice
-        assert r.pop("diagonal_across_samples#0")[0] == "REFUSED", r
+        for name in op_sweep.ACROSS_SAMPLES:
+            assert r.pop(f"{name}#0")[0] == "REFUSED", (name, r)
         assert all(r[f"{s.name}#0"][0] == "PASS" for s in op_sweep.hand_samples()
-                   if s.name != "diagonal_across_samples"), r
+                   if s.name not in op_sweep.ACROSS_SAMPLES), r

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from . import (attention, collectives, contractions, convolution, elementwise, embedding, flex_attention, reductions,
-               row_order, scans, sequence_losses, spatial, spectral, views)
+from . import (attention, collectives, contractions, convolution, elementwise, embedding, flex_attention, linalg,
+               reductions, row_order, scans, sequence_losses, spatial, spectral, views)
 from .elementwise import pointwise
 
 RULES: dict[Any, Any] = {}
 for _family in (views, elementwise, reductions, contractions, convolution, attention, flex_attention, embedding,
-                collectives, spatial, spectral, sequence_losses, row_order, scans):
+                collectives, spatial, spectral, sequence_losses, row_order, scans, linalg):
     _twice = RULES.keys() & _family.RULES.keys()
     assert not _twice, f"ops with a rule in two families: {_twice}"
     RULES.update(_family.RULES)

@@ -10,7 +10,7 @@ import torch
 
 from dpcompile.fx_utils import known
 
-from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim, one_layout
+from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim
 
 aten = torch.ops.aten
 
@@ -136,14 +136,4 @@ def _sum_over_samples(an, node, kind, a, b, layouts):
     return Reduced(node)
 
 
-def _batched_solve(an, node):
-    """linalg_solve_triangular(A, B): one system per index of the dims before the last two (broadcast), so per
-    sample where every per-sample operand holds its samples in one such dim of the output's rank (Qwen3-Next's
-    gated delta rule solves a triangular system per sample, head and chunk)."""
-    found = one_layout(an, node, lambda a, s: ndim(a) == ndim(node) and s.dim < ndim(a) - 2,
-                       "solves a system across the sample dim (samples in a matrix dim)")
-    return found if found is not None else SINGLE
-
-
-RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm, aten.baddbmm: _baddbmm,
-                         aten.linalg_solve_triangular: _batched_solve}
+RULES: dict[Any, Any] = {aten.mm: _mm, aten.addmm: _mm, aten.bmm: _bmm, aten.baddbmm: _baddbmm}

@@ -32,7 +32,8 @@ def _reduction(an, node):
     # reduced dims and keepdim, by schema
     args = list(node.args) + [None] * 4
     kw = node.kwargs
-    if node.target in (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.all.default, aten.any.default, aten.prod.default):
+    if node.target in (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.all.default, aten.any.default, aten.prod.default,
+                       aten.median.default, aten.nanmedian.default):
         dims, keep = list(range(n)), False
     elif packet in (aten.argmax, aten.argmin):
         d = args[1] if args[1] is not None else kw.get("dim")
@@ -115,7 +116,7 @@ def _reduction_with_hook(an, node):
 RULES: dict[Any, Any] = {}
 for p in (aten.sum, aten.mean, aten.amax, aten.amin, aten.var_mean, aten.var, aten.std, aten.std_mean, aten.prod,
           aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all, aten.max, aten.min, aten.linalg_vector_norm,
-          aten.mode, aten.kthvalue):
+          aten.mode, aten.kthvalue, aten.median, aten.nanmedian):
     RULES[p] = _reduction_with_hook
 for p in (aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
           aten.cumsum, aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin, aten.sort, aten.topk, aten.glu,

@@ -312,6 +312,22 @@ def _outcome(exc: Exception, stock_fails) -> tuple[str, str]:
     return ("TORCH" if stock_fails() else "FAIL"), f"{type(exc).__name__}: {line}"
 
 
+class DeviceLost(Exception):
+    """A device-side assert (an index out of range in a CUDA kernel): the process's CUDA context is lost for every
+    later sample. args: (the sample's outcome, detail); main() resumes the sweep in a new process."""
+
+
+def _synchronized(device: str, outcome: str, why: str) -> None:
+    """Wait for the device; where a kernel asserted, raise DeviceLost(outcome, why) (asserts are reported late,
+    at the next synchronization: this one keeps them with the sample that made them)."""
+    if device == "cpu":
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - torch.AcceleratorError (torch 2.11+) or RuntimeError
+        raise DeviceLost(outcome, f"{why}: {(str(exc).splitlines() or [''])[0][:150]}") from exc
+
+
 def _fails_on_cpu(sample: OpSample) -> bool:
     """Whether the sample's model fails in eager on the CPU. A sample for another device runs there first: on CUDA
     the failing op may be a device-side assert (masked_scatter's size check), after which the process's CUDA
@@ -339,6 +355,7 @@ def check(sample: OpSample, *, schedule: str, compiler: str = "eager", unbacked:
         return "NA", f"fails in eager (on the CPU; not run on {device})"
     model, x = build(sample, device=device)
     want = expected(model, x)
+    _synchronized(device, "NA", "a device-side assert in eager")
     if isinstance(want, str):
         return "NA", want
     kind, ref, C = want
@@ -366,12 +383,16 @@ def check(sample: OpSample, *, schedule: str, compiler: str = "eager", unbacked:
                 if unbacked:
                     dpcompile.mark_batch(xx)
                 compiled(xx)
+                _synchronized(device, "FAIL", "a device-side assert in the DP step (none in eager)")
                 if mixes:
                     return "FAIL", "a step whose samples mix ran: it must be refused"
                 if model.w.grad is None:
                     return "FAIL", f"no gradient for w (batch of {xx.shape[0]})"
                 worst = max(worst, _error(model.w.grad, want))
+    except DeviceLost:
+        raise
     except Exception as exc:  # noqa: BLE001 - classified: refused, torch's own failure, or ours
+        _synchronized(device, "FAIL", f"a device-side assert in the DP step (none in eager): {exc}"[:300])
         outcome, detail = _outcome(exc, lambda: _stock_fails(model, [b for b, _ in batches], unbacked))
         return outcome, ("samples mix; " if mixes else "") + detail
     ok = worst <= _tolerance(model, x)
@@ -464,6 +485,7 @@ def main() -> int:
     parser.add_argument("--shard", type=int, default=0, help="N gloo ranks, dpcompile.fully_shard")
     parser.add_argument("--device", default="cpu", help="one process: where the step runs (cuda: Triton)")
     parser.add_argument("--part", help="k/n: the k-th of n slices of the ops (parallel processes)")
+    parser.add_argument("--resume-after", help=argparse.SUPPRESS)  # sample id:schedule, after a lost device
     args = parser.parse_args()
     names = set(args.ops.split(",")) if args.ops else None
     counts: dict[str, int] = {}
@@ -482,13 +504,24 @@ def main() -> int:
             k, n = (int(v) for v in args.part.split("/"))
             mine = set(sorted({s.name for s in samples})[k - 1::n])
             samples = [s for s in samples if s.name in mine]
+        skipping = args.resume_after is not None
         for sample in samples:
             # "alternate": bk for a sample's first form, ghost for its second (half the compiles)
             alternate = args.schedules == "alternate"
             schedules = [("bk", "ghost")[sample.index % 2]] if alternate else args.schedules.split(",")
             for schedule in schedules:
-                outcome, detail = check(sample, schedule=schedule, compiler=args.compiler, unbacked=args.unbacked,
-                                        device=args.device)
+                if skipping:
+                    skipping = f"{sample.id}:{schedule}" != args.resume_after
+                    continue
+                try:
+                    outcome, detail = check(sample, schedule=schedule, compiler=args.compiler,
+                                            unbacked=args.unbacked, device=args.device)
+                except DeviceLost as lost:
+                    (outcome, detail), resume = lost.args, f"{sample.id}:{schedule}"
+                    print(f"{outcome:8s} {sample.id:45s} {schedule:5s} {detail}; the sweep goes on in a new process "
+                          f"(its counts are the lines', the summary below is the new process's)", flush=True)
+                    argv = [a for a in sys.argv[1:] if not a.startswith("--resume-after")]
+                    os.execv(sys.executable, [sys.executable, sys.argv[0], *argv, f"--resume-after={resume}"])
                 counts[outcome] = counts.get(outcome, 0) + 1
                 print(f"{outcome:8s} {sample.id:45s} {schedule:5s} {detail}", flush=True)
     print(" ".join(f"{k}: {v}" for k, v in sorted(counts.items())))

@@ -50,7 +50,7 @@ from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes
                               size_oblivious_global_avg_pool,
                               size_oblivious_log_sigmoid_backward, size_oblivious_logsumexp,
                               size_oblivious_solve_triangular, size_oblivious_cummaxmin,
-                              size_oblivious_lu_solve, size_oblivious_cdist_backward,
+                              size_oblivious_lu_solve, size_oblivious_cdist_backward, size_oblivious_cdist_mode,
                               size_oblivious_nll_loss_nd,
                               size_oblivious_norm_batch_check, size_oblivious_one_hot,
                               size_oblivious_prob_cross_entropy, multilabel_margin_loss_stops_at_the_first_negative,
@@ -165,6 +165,7 @@ size_oblivious_solve_triangular()
 size_oblivious_cummaxmin()
 size_oblivious_lu_solve()
 size_oblivious_cdist_backward()
+size_oblivious_cdist_mode()
 size_oblivious_prob_cross_entropy()
 multilabel_margin_loss_stops_at_the_first_negative()
 gaussian_nll_loss_checks_in_graph()

@@ -1300,6 +1300,30 @@ def size_oblivious_norm_batch_check() -> None:
     _wrap_once(F, "_verify_batch_size", wrap)
 
 
+def size_oblivious_cdist_mode() -> None:
+    """``torch.cdist`` with p = 2 picks its kernel in C++ by the rows' count (matrix products where either side has
+    more than 25 rows), a question an unbacked batch size cannot answer: dynamo split the step there (and on a
+    sharded step's batch bounded below by 1 the split frame kept a guard that fails on an empty rank). The same
+    choice asked with ``guard_or_false`` and passed as ``compute_mode``: sizes known when tracing get torch's
+    choice; an unbacked batch counts as at most 25 rows, so the other operand's rows decide (more than 25 centres:
+    matrix products, as eager takes them from 26 samples on; both kernels compute the same distances)."""
+    import torch
+    import torch.functional
+
+    def wrap(original):
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+        def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
+            if compute_mode == "use_mm_for_euclid_dist_if_necessary" and p == 2:
+                many = guard_or_false(x1.shape[-2] > 25) or guard_or_false(x2.shape[-2] > 25)
+                compute_mode = "use_mm_for_euclid_dist" if many else "donot_use_mm_for_euclid_dist"
+            return original(x1, x2, p, compute_mode)
+        return cdist
+
+    _wrap_once(torch.functional, "cdist", wrap)
+    torch.cdist = torch.functional.cdist
+
+
 def _affine_grid_by_ops(theta, spatial: list, align_corners: bool):
     """``torch.affine_grid_generator(theta, [N, C, *spatial], align_corners)`` as plain ops: every output
     point's normalised coordinates (x fastest, then y, then z; each from -1 to 1 at the corners' centres, or

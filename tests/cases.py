@@ -128,6 +128,7 @@ SMALL_LAYER_CASES = {
     # the sample dim indexed with torch.arange(B): transformers' masks and last-token pooling
     "sample_indexed": Case(lambda: M.SampleIndexed(), lambda B: ((ids(B, 5, 11, pad=0),), (torch.randn(B, 3),)), M.mse),
     "fourier_mixer": Case(lambda: M.FourierMixer(), lambda B: ((torch.randn(B, 5, 3),), (torch.randn(B, 3),)), M.mse),
+    "linalg_distances": Case(lambda: M.LinalgNet(), lambda B: ((torch.randn(B, 5, 6),), (torch.randn(B, 3),)), M.mse),
     "spatial_transformer": Case(lambda: M.SpatialTransformer(), lambda B: ((torch.randn(B, 3, 8, 8),),
                                                                           (torch.randn(B, 3),)), M.mse),
     # an associative scan behind "is the batch empty?" (Mamba, Falcon-Mamba, Jamba)

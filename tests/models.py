@@ -691,6 +691,28 @@ class FourierMixer(nn.Module):
         return self.out(torch.tanh(mixed).repeat(1, 1, 2)).mean(1)
 
 
+class LinalgNet(nn.Module):
+    """Per-sample matrices through torch.linalg (a solve against a shared right-hand side, a log-determinant) and
+    distances: to learnable centres (an RBF layer; p = 2 and more than 25 centres, which torch computes through
+    matrix products) and to fixed anchors (p = 1: torch's direct cdist kernel)."""
+
+    def __init__(self, d=6, n_out=3, centres=30):
+        super().__init__()
+        self.to_matrix = nn.Linear(d, 9)
+        self.centres = nn.Parameter(torch.randn(centres, d))
+        self.register_buffer("anchors", torch.randn(4, d))
+        self.head = nn.Linear(centres + 4 + 3 + 1, n_out)
+
+    def forward(self, x):  # [B, T, d]
+        h = x.mean(1)
+        eye = torch.eye(3, dtype=h.dtype, device=h.device)
+        a = self.to_matrix(h).view(-1, 3, 3) + 3 * eye
+        solved = torch.linalg.solve(a, eye[0])  # [B, 3]
+        logdet = torch.linalg.slogdet(a)[1].unsqueeze(-1)
+        near = torch.exp(-0.1 * torch.cdist(h, self.centres))
+        return self.head(torch.cat([near, torch.cdist(h, self.anchors, p=1.0), solved, logdet], -1))
+
+
 class SpatialTransformer(nn.Module):
     """A spatial transformer: a per-sample affine grid from a Linear (F.affine_grid), the image resampled on it
     (F.grid_sample, whose backward gives both the image's and the grid's gradients), then a convolution."""

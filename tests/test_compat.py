@@ -812,22 +812,25 @@ def test_cummax_and_cummin_of_an_unbacked_batch_trace_whole_with_eagers_gradient
 def test_solve_det_and_cdist_of_an_unbacked_batch_trace_whole_with_eagers_gradient(device, backend):
     """torch.linalg.solve and det (whose backwards run linalg_lu_solve) and torch.cdist with an unbacked batch:
     lu_solve's fake kernel asks whether its result is empty (Ne(5*u0, 0)), cdist's backward whether any size is
-    zero (Eq(u0, 0)), and dynamo broke the graph at each (fullgraph raises without size_oblivious_lu_solve and
-    size_oblivious_cdist_backward). The gradient is eager's for batches of 3, 1 and 0."""
+    zero (Eq(u0, 0)), cdist with p = 2 whether the batch has more than 25 rows, and dynamo broke the graph at each
+    (fullgraph raises without size_oblivious_lu_solve, size_oblivious_cdist_backward and size_oblivious_cdist_mode).
+    The gradient is eager's for batches of 3, 1 and 0."""
     import torch
 
-    from dpcompile.compat import size_oblivious_cdist_backward, size_oblivious_lu_solve
+    from dpcompile.compat import size_oblivious_cdist_backward, size_oblivious_cdist_mode, size_oblivious_lu_solve
 
     size_oblivious_lu_solve()
     size_oblivious_cdist_backward()
+    size_oblivious_cdist_mode()
     w = torch.nn.Parameter(torch.randn(4, 20, device=device))
     rhs, centres = torch.randn(4, device=device), torch.randn(3, 5, device=device)
+    many = torch.randn(30, 20, device=device)  # more than 25 rows: torch.cdist's matrix-product kernel
 
     def loss(x):
         h = (x @ w).view(-1, 4, 5)
         a = h[..., :4] + 4 * torch.eye(4, device=device)
         return (torch.linalg.solve(a, rhs).sin().sum() + torch.linalg.det(a).sum()
-                + torch.cdist(h, centres, p=1.0).sum())
+                + torch.cdist(h, centres, p=1.0).sum() + torch.cdist(x @ w, many).sin().sum())
 
     _compiled_matches_eager_for_unbacked_batches(loss, w, backend, device)
 

@@ -30,7 +30,8 @@ _clipped_on_cuda = functools.partial(clipped_on, "cuda")
 @pytest.mark.parametrize("case", [c for c in ["mlp_2d", "norms", "embedding_padding", "gpt", "llama", "conv_kinds",
                                                "routed_experts", "sorted_experts", "spectral_norm", "recurrent",
                                                "sequence_ops", "sample_indexed", "fourier_mixer", "spatial_transformer",
-                                               "selective_scan", "kept_state", "convnet_channels_last"]
+                                               "selective_scan", "kept_state", "convnet_channels_last",
+                                               "linalg_distances"]
                                   if c in CASES])  # (sorted_experts: where transformers' fallback is traceable)
 def test_cuda_matches_reference(case, schedule):
     c = CASES[case]
@@ -48,7 +49,7 @@ def test_cuda_matches_reference(case, schedule):
 @pytest.mark.parametrize("case", [c for c in ["gpt", "llama", "norms", "conv_kinds", "embedding_padding",
                                                "routed_experts", "sorted_experts", "fourier_mixer",
                                                "spatial_transformer", "sequence_ops", "selective_scan",
-                                               "convnet_channels_last"]
+                                               "convnet_channels_last", "linalg_distances"]
                                   if c in CASES and c not in unbacked_left_out("cuda")])
 def test_cuda_unbacked_batch_matches_reference(case, schedule):
     """One graph for every batch size, as sharded and Poisson-sampled steps compile it (the batch unbacked,

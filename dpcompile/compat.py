@@ -1139,19 +1139,11 @@ def size_oblivious_solve_triangular() -> None:
         B_, _ = broadcast(B, A, None)
         return B_.new_empty(B_.transpose(-2, -1).shape).transpose(-2, -1)
 
-    _mark_wrapper(linalg_solve_triangular, original)
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        impl_overriding(lib, "linalg_solve_triangular", linalg_solve_triangular, "Meta")
-    except RuntimeError:  # the kernel stays torch's: only an unbacked batch meets the question
-        lib._destroy()
-        return
-    _solve_triangular_meta_lib = lib
-    op.py_kernels[DispatchKey.Meta] = linalg_solve_triangular
-    op._dispatch_cache.clear()
+    # only an unbacked batch meets the question: where torch refuses the override its kernel stays
+    _solve_triangular_meta_lib = override_meta("linalg_solve_triangular", linalg_solve_triangular, original)
 
 
-_cummaxmin_meta_lib = None  # the Library holding size_oblivious_cummaxmin's Meta kernels (kept alive)
+_cummaxmin_meta_lib = None  # the Libraries holding size_oblivious_cummaxmin's Meta kernels (kept alive)
 
 
 def size_oblivious_cummaxmin() -> None:
@@ -1168,10 +1160,9 @@ def size_oblivious_cummaxmin() -> None:
     from torch._prims_common import canonicalize_dim
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    lib = torch.library.Library("aten", "IMPL")
+    libs = []
     for name in ("cummax", "cummin"):
-        op = getattr(torch.ops.aten, name).default
-        original = op.py_kernels.get(DispatchKey.Meta)
+        original = getattr(torch.ops.aten, name).default.py_kernels.get(DispatchKey.Meta)
         if original is None:
             continue
 
@@ -1182,14 +1173,8 @@ def size_oblivious_cummaxmin() -> None:
             return (torch.empty(self.shape, device=self.device, dtype=self.dtype),
                     torch.empty(self.shape, device=self.device, dtype=torch.int64))
 
-        _mark_wrapper(kernel, original)
-        try:
-            impl_overriding(lib, name, kernel, "Meta")
-        except RuntimeError:  # the kernel stays torch's: only an unbacked batch meets the question
-            continue
-        op.py_kernels[DispatchKey.Meta] = kernel
-        op._dispatch_cache.clear()
-    _cummaxmin_meta_lib = lib
+        libs.append(override_meta(name, kernel, original))  # None where torch keeps its kernel
+    _cummaxmin_meta_lib = libs
 
 
 _lu_solve_meta_lib = None  # the Library holding size_oblivious_lu_solve's Meta kernel (kept alive)

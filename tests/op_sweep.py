@@ -36,6 +36,7 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -226,21 +227,30 @@ def samples_mix(model, x) -> bool | None:
 _F32_NORM_LIMIT = torch.finfo(torch.float32).max ** 0.5
 
 
+class Reference(NamedTuple):
+    """A clipped gradient the step must give, and the size of its terms: dpcompile computes the clip coefficients
+    in float32, so where the clipped terms cancel (a sum near zero of terms far from it) the step is off by float32's
+    rounding of the terms, not of the sum."""
+    grad: torch.Tensor  # sum_i c_i g_i / B
+    terms: torch.Tensor  # sum_i c_i |g_i| / B
+
+
 def _clipped(g: torch.Tensor, C: float | None = None):
-    """(clipped sum / B in float64, C) of per-sample gradients g [n, ...], those past float32's norm range dropped.
-    C: by default the median of their finite norms, so that some samples are clipped and some are not; 1.0 where
-    there is none or it is 0."""
+    """(Reference of the clipped sum / B in float64, C) of per-sample gradients g [n, ...], those past float32's
+    norm range dropped. C: by default the median of their finite norms, so that some samples are clipped and some
+    are not; 1.0 where there is none or it is 0."""
     norms = g.reshape(g.shape[0], -1).norm(dim=1)
     g = torch.where((norms < _F32_NORM_LIMIT).view(-1, *[1] * (g.dim() - 1)), g, float("nan"))
     if C is None:
         finite = norms[norms < _F32_NORM_LIMIT]
         C = float(finite.median()) if finite.numel() else 1.0
         C = C if C > 0 else 1.0
-    return clip_and_sum({"w": g}, max_grad_norm=C, expected_batch_size=B)[0]["w"], C
+    grad, terms = (clip_and_sum({"w": t}, max_grad_norm=C, expected_batch_size=B)[0]["w"] for t in (g, g.abs()))
+    return Reference(grad, terms), C
 
 
 def oracle(model, x, C: float | None = None):
-    """(clipped gradient of w in float64, C) from vmap(grad) of the model on one sample (``_clipped``), cross-checked
+    """(Reference of w's clipped gradient, C) from vmap(grad) of the model on one sample (``_clipped``), cross-checked
     against each sample's gradient through its own copy of w: where they differ, torch's vmap is wrong (its
     batching of linalg.solve_ex with a shared vector right-hand side reads the vmap batch as the vector's, torch
     2.13) and the own copies' gradients are the oracle."""
@@ -253,7 +263,7 @@ def oracle(model, x, C: float | None = None):
 
 
 def expected(model, x):
-    """What a DP step of the model on batch x must give: (kind, clipped gradient of w or None, C), kind "per sample"
+    """What a DP step of the model on batch x must give: (kind, Reference or None, C), kind "per sample"
     (row i of the output is the model on sample i alone: the vmap oracle), "own terms" (not so written, as an
     operand broadcast along the batch dim, but each sample's gradient through its own copy of w moves with its
     input alone: those) or "mixes" (the step must be refused); or the reason there is nothing to check."""
@@ -276,8 +286,9 @@ def _tolerance(model, x) -> float:
     return 1e-6 if out.dtype == torch.float64 else 1e-2
 
 
-def _error(got, ref) -> float:
-    return float((got.double() - ref).abs().max() / (ref.abs().max() + 1e-12))
+def _error(got, ref: Reference) -> float:
+    """The step's largest error relative to the largest clipped term (Reference)."""
+    return float((got.double() - ref.grad).abs().max() / (ref.terms.abs().max() + 1e-12))
 
 
 def _unwrap(exc: Exception) -> Exception:
@@ -445,7 +456,7 @@ def sharded_checks(samples: list[OpSample], mesh, rank: int, world: int, compile
                     (grad,) = [p.grad for p in model.parameters()]  # fully_shard's w, read through named params
                     if grad is None:
                         raise AssertionError(f"no gradient for w (per-rank batches {split})")
-                    worst = max(worst, _error(grad.full_tensor().view(ref.shape), ref))
+                    worst = max(worst, _error(grad.full_tensor().view(ref.grad.shape), ref))
             ok = worst <= tol
             results[sample.id] = ("PASS" if ok else "FAIL", f"{schedule}: relative error {worst:.2e}")
         except Exception as exc:  # noqa: BLE001 - classified as in check; torch's own failure by stock

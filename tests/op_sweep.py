@@ -123,6 +123,13 @@ def _linalg_samples(make) -> list[OpSample]:
     across the samples (``ACROSS_SAMPLES``)."""
     g = torch.Generator().manual_seed(0)
     rhs, centres = torch.randn(3, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    reflectors, tau = torch.geqrf(torch.randn(4, 3, generator=g, dtype=torch.float64))
+
+    def householder(t):  # Q of fixed reflectors applied to a per-sample matrix, and Q of per-sample tau
+        refl = reflectors.to(t.device).expand(t.shape[0], 4, 3)
+        return torch.ormqr(refl, tau.to(t.device).expand(t.shape[0], 3), t) + \
+            torch.linalg.householder_product(refl, t[:, 0])
+
     return [make("inv", lambda t: torch.linalg.inv(_shifted(t)), (3, 3)),
             make("solve_shared_rhs", lambda t: torch.linalg.solve(_shifted(t), rhs.to(t.device)), (3, 3)),
             make("solve_per_sample_rhs", lambda t: torch.linalg.solve(_shifted(t[..., :3]), t[..., 3:]), (3, 5)),
@@ -132,6 +139,7 @@ def _linalg_samples(make) -> list[OpSample]:
                  (3, 3)),
             make("matrix_exp_lu_solve", lambda t: torch.linalg.lu_solve(*torch.linalg.lu_factor(_shifted(t)),
                                                                         torch.linalg.matrix_exp(0.3 * t)), (3, 3)),
+            make("ormqr_householder_product", householder, (4, 3)),
             make("cdist_to_centres", lambda t: torch.cdist(t, centres.to(t.device), p=1.0), (3,)),
             make("cdist_within_samples", lambda t: torch.cdist(t, t.flip(-2)), (4, 3)),
             make("cdist_across_samples", lambda t: torch.cdist(t, t), (3,)),

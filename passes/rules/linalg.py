@@ -46,7 +46,7 @@ _CORES: dict[Any, tuple[dict[str, Any], tuple[Any, ...]]] = {
     aten.linalg_qr: ({"A": 2}, (2, 2)),
     aten.geqrf: ({"self": 2}, (2, 1)),
     aten.linalg_householder_product: ({"input": 2, "tau": 1}, (2,)),
-    aten.ormqr: ({"self": 2, "input2": 2, "input3": 1}, (2,)),
+    aten.ormqr: ({"self": 2, "input2": 1, "input3": 2}, (2,)),  # (householder vectors, tau, the matrix multiplied)
     aten.linalg_cholesky_ex: ({"self": 2}, (2, 0)),
     aten.cholesky: ({"self": 2}, (2,)),
     aten.cholesky_solve: ({"self": 2, "input2": 2}, (2,)),
@@ -65,6 +65,15 @@ _CORES: dict[Any, tuple[dict[str, Any], tuple[Any, ...]]] = {
     aten._cdist_forward: ({"x1": 2, "x2": 2}, (2,)),
     # x1's gradient [..., P, M]; x2's is the same op with the operands' roles swapped (grad.mT, x2, x1, cdist.mT)
     aten._cdist_backward: ({"grad": 2, "x1": 2, "x2": 2, "cdist": 2}, (2,)),
+}
+
+# outputs made from one operand alone, op -> {output index: the operand}: the LU, pivots and info of a solve's
+# matrix, triangular_solve's copy of it. Such an output's batch is that operand's, which may lack the dim holding
+# the samples of another (a shared matrix against per-sample right-hand sides): it is then sample-free. Any other
+# output without the samples' dim is refused, not taken as sample-free.
+_OF_ONE_OPERAND: dict[Any, dict[int, str]] = {
+    aten._linalg_solve_ex: {1: "A", 2: "A", 3: "A"},
+    aten.triangular_solve: {1: "A"},
 }
 
 # core dims some ops keep apart, operand -> {its core dim: the output's}, both counted from the end: cdist's rows
@@ -106,7 +115,7 @@ def _batched_linalg(an, node: fx.Node):
     name = node.target.overloadpacket.__name__
     # where the samples land in the outputs: ("batch", the dim counted from the right of the broadcast batch, 0
     # next to the core), or ("core", the output's core dim counted from its end) for a core dim an op keeps apart
-    where, lay, size = None, None, None
+    where, lay, sizes = None, None, []
     for a, arg_name in _tensor_operands(node):
         s = an.st(a)
         if not isinstance(s, Batched):
@@ -126,23 +135,34 @@ def _batched_linalg(an, node: fx.Node):
                                     f"them in its core dim {s.dim} of {ndim(a)})")
         if where is not None and not (w == where and known(s.outer == lay.outer) and known(s.inner == lay.inner)):
             return _mixed(an, node, f"{name} of per-sample operands whose samples lie in different dims")
-        where, lay, size = w, s, a.meta["val"].shape[s.dim]
+        where, lay = w, s
+        sizes.append(a.meta["val"].shape[s.dim])
     if where is None:
         return tuple(SINGLE for _ in vals) if multi else SINGLE
     states = []
-    for v, spec in zip(vals if multi else (vals,), outs):
+    for i, (v, spec) in enumerate(zip(vals if multi else (vals,), outs)):
         batch_rank = v.dim() - _core(spec, node)
         if where[0] == "core":
             d = v.dim() + where[1]
-        elif batch_rank <= where[1]:
-            states.append(FREE)  # its batch lacks the samples' dim: computed from sample-free operands only
+        elif batch_rank > where[1]:
+            d = batch_rank - 1 - where[1]
+        elif known(v.numel() == 0) or _of_a_sample_free_operand(an, node, i):
+            states.append(FREE)  # empty (svd without U and V), or made from a sample-free operand alone
             continue
         else:
-            d = batch_rank - 1 - where[1]
-        if not known(v.shape[d] == size):
+            raise an.refuse(node, f"its output {i} lacks the batch dim that holds the samples of its per-sample "
+                                  f"operands", "file an issue with this op")
+        if not all(known(v.shape[d] == n) for n in sizes):
             return fail_layout(an, node, f"{name} broadcasts the sample dim")
         states.append(lay.moved(d))
     return tuple(states) if multi else states[0]
+
+
+def _of_a_sample_free_operand(an, node: fx.Node, i: int) -> bool:
+    """Whether output i is made from one operand alone (_OF_ONE_OPERAND) that holds no samples."""
+    operand = _OF_ONE_OPERAND.get(node.target.overloadpacket, {}).get(i)
+    return operand is not None and not any(
+        arg_name == operand and isinstance(an.st(a), Batched) for a, arg_name in _tensor_operands(node))
 
 
 def _effectful(an, node: fx.Node):

@@ -211,6 +211,12 @@ def same_layout(a: Batched, b: Batched) -> bool:
     return a.dim == b.dim and known(a.outer == b.outer) and known(a.inner == b.inner)
 
 
+def each_output(node: fx.Node, state):
+    """state for every output of node: a tuple of it for an op with several outputs, else state itself."""
+    vals = node.meta["val"]
+    return tuple(state for _ in vals) if isinstance(vals, (tuple, list)) else state
+
+
 def one_layout(an: "BatchDimAnalysis", node: fx.Node, allowed, why: str):
     """The one layout of node's per-sample tensor operands, each checked by allowed(operand, its state) (else
     refused with why); SINGLE if one is a single sample's, None if none is per sample."""

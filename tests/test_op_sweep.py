@@ -41,10 +41,10 @@ def test_the_sweep_tells_per_sample_models_from_the_rest():
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
 def test_hand_samples_are_exact_or_their_mixing_refused(schedule):
-    """diagonal (and its backward's diagonal_scatter), kthvalue, mode, cummax, cummin, conj and torch.linalg (inv,
-    solve, det, slogdet, eigvalsh, svdvals, qr, cholesky, matrix_exp, lu_factor and lu_solve, cdist), which the
-    sweep found without a rule: exact along a dim that is not the batch's (static and unbacked); a diagonal, a
-    matrix or distances taken across the samples refused."""
+    """diagonal (and its backward's diagonal_scatter), kthvalue, mode, median, cummax, cummin, conj and torch.linalg
+    (inv, solve, det, slogdet, eigvalsh, svdvals, qr, cholesky, matrix_exp, lu_factor and lu_solve, ormqr,
+    householder_product, cdist), which the sweep found without a rule: exact along a dim that is not the batch's
+    (static and unbacked); a diagonal, a matrix or distances taken across the samples refused."""
     got = {s.name: op_sweep.check(s, schedule=schedule, unbacked=schedule == "ghost") for s in op_sweep.hand_samples()}
     for name in op_sweep.ACROSS_SAMPLES:
         assert got.pop(name)[0] == "REFUSED", name

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import known
 
-from ..batch_state import FREE, SINGLE, Batched, Mixed, fail_layout, ndim
+from ..batch_state import FREE, SINGLE, Batched, Mixed, each_output, fail_layout, ndim
 
 aten = torch.ops.aten
 
@@ -102,26 +102,25 @@ def _tensor_operands(node: fx.Node):
 
 def _mixed(an, node: fx.Node, why: str):
     """Mixed, one per output; at a static batch of one nothing can mix (a dim of size one taken for the samples')."""
-    vals = node.meta["val"]
-    state = SINGLE if known(an.B == 1) else Mixed(node, why)
-    return tuple(state for _ in vals) if isinstance(vals, (tuple, list)) else state
+    return each_output(node, SINGLE if known(an.B == 1) else Mixed(node, why))
 
 
 def _batched_linalg(an, node: fx.Node):
-    ins, outs = _CORES[node.target.overloadpacket]
-    kept = _KEPT_CORE_DIMS.get(node.target.overloadpacket, {})
+    packet = node.target.overloadpacket
+    ins, outs = _CORES[packet]
+    kept = _KEPT_CORE_DIMS.get(packet, {})
     vals = node.meta["val"]
     multi = isinstance(vals, (tuple, list))
-    name = node.target.overloadpacket.__name__
+    name = packet.__name__
     # where the samples land in the outputs: ("batch", the dim counted from the right of the broadcast batch, 0
     # next to the core), or ("core", the output's core dim counted from its end) for a core dim an op keeps apart
-    where, lay, sizes = None, None, []
+    where, lay, sizes, per_sample = None, None, [], set()
     for a, arg_name in _tensor_operands(node):
         s = an.st(a)
         if not isinstance(s, Batched):
             continue
         if s.dim is None:
-            return tuple(SINGLE for _ in vals) if multi else SINGLE
+            return each_output(node, SINGLE)
         if arg_name not in ins:
             raise an.refuse(node, f"its operand {arg_name} is per-sample, and dpcompile's rule for {name} does not "
                                   f"know which of its dims are a batch", "file an issue with this op")
@@ -137,8 +136,9 @@ def _batched_linalg(an, node: fx.Node):
             return _mixed(an, node, f"{name} of per-sample operands whose samples lie in different dims")
         where, lay = w, s
         sizes.append(a.meta["val"].shape[s.dim])
+        per_sample.add(arg_name)
     if where is None:
-        return tuple(SINGLE for _ in vals) if multi else SINGLE
+        return each_output(node, SINGLE)
     states = []
     for i, (v, spec) in enumerate(zip(vals if multi else (vals,), outs)):
         batch_rank = v.dim() - _core(spec, node)
@@ -146,8 +146,8 @@ def _batched_linalg(an, node: fx.Node):
             d = v.dim() + where[1]
         elif batch_rank > where[1]:
             d = batch_rank - 1 - where[1]
-        elif known(v.numel() == 0) or _of_a_sample_free_operand(an, node, i):
-            states.append(FREE)  # empty (svd without U and V), or made from a sample-free operand alone
+        elif known(v.numel() == 0) or _OF_ONE_OPERAND.get(packet, {}).get(i) in ins.keys() - per_sample:
+            states.append(FREE)  # empty (svd without U and V), or made from one operand alone, a sample-free one
             continue
         else:
             raise an.refuse(node, f"its output {i} lacks the batch dim that holds the samples of its per-sample "
@@ -156,13 +156,6 @@ def _batched_linalg(an, node: fx.Node):
             return fail_layout(an, node, f"{name} broadcasts the sample dim")
         states.append(lay.moved(d))
     return tuple(states) if multi else states[0]
-
-
-def _of_a_sample_free_operand(an, node: fx.Node, i: int) -> bool:
-    """Whether output i is made from one operand alone (_OF_ONE_OPERAND) that holds no samples."""
-    operand = _OF_ONE_OPERAND.get(node.target.overloadpacket, {}).get(i)
-    return operand is not None and not any(
-        arg_name == operand and isinstance(an.st(a), Batched) for a, arg_name in _tensor_operands(node))
 
 
 def _effectful(an, node: fx.Node):
@@ -174,8 +167,7 @@ def _effectful(an, node: fx.Node):
     if op is not aten._linalg_check_errors.default:
         raise an.refuse(node, f"it runs {op} with per-sample inputs under an effect token, which dpcompile has no "
                               f"rule for", "file an issue with this op, or keep it out of the compiled step")
-    vals = node.meta["val"]
-    return tuple(FREE for _ in vals) if isinstance(vals, (tuple, list)) else FREE
+    return each_output(node, FREE)
 
 
 RULES: dict[Any, Any] = {packet: _batched_linalg for packet in _CORES}

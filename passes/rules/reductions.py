@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from dpcompile.fx_utils import known
 
-from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, fail_layout, ndim, norm_dim
+from ..batch_state import SINGLE, Batched, Contribution, Mixed, Reduced, each_output, fail_layout, ndim, norm_dim
 from . import row_order
 
 if TYPE_CHECKING:
@@ -32,8 +32,8 @@ def _reduction(an, node):
     # reduced dims and keepdim, by schema
     args = list(node.args) + [None] * 4
     kw = node.kwargs
-    if node.target in (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.all.default, aten.any.default, aten.prod.default,
-                       aten.median.default, aten.nanmedian.default):
+    if node.target in (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.all.default,
+                       aten.any.default, aten.prod.default, aten.median.default, aten.nanmedian.default):
         dims, keep = list(range(n)), False
     elif packet in (aten.argmax, aten.argmin):
         d = args[1] if args[1] is not None else kw.get("dim")
@@ -57,10 +57,9 @@ def _reduction(an, node):
         dims = list(range(n)) if d is None or d == [] else ([d] if isinstance(d, int) else list(d))
         keep = bool(args[2] if args[2] is not None else kw.get("keepdim", False))
     dims = sorted({norm_dim(d, n) for d in dims}) if n > 0 else []
-    multi = isinstance(node.meta["val"], (tuple, list))
 
     def wrap(state):
-        return tuple(state for _ in node.meta["val"]) if multi else state
+        return each_output(node, state)
 
     if s.dim is None:
         return wrap(SINGLE)
@@ -91,14 +90,12 @@ def _along_dim(an, node):
         k = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
     else:
         k = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
-    multi = isinstance(node.meta["val"], (tuple, list))
     if s.dim is not None and norm_dim(k, ndim(x)) == s.dim:
         rows = row_order.sort_rows(an, node) if packet is aten.sort else None
         if rows is not None:
             return rows  # rows sorted across the batch, tracked by their permutation
-        m = Mixed(node, f"{packet.__name__} along the sample dim")
-        return tuple(m for _ in node.meta["val"]) if multi else m
-    return tuple(s for _ in node.meta["val"]) if multi else s
+        return each_output(node, Mixed(node, f"{packet.__name__} along the sample dim"))
+    return each_output(node, s)
 
 
 def _sum_contribution_hook(an: "BatchDimAnalysis", node: fx.Node, state):

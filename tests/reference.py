@@ -79,10 +79,13 @@ def per_sample_gradients(model, per_sample_loss, inputs, targets, *, forward=Non
             # _NoopSaveInputs function, 2.11) and Python branches on tensor values (transformers asks whether
             # an attention mask masks anything), grid_sample's backward under vmap (torch 2.11: "Expected a
             # proper Tensor but got None") and group_norm of a channels-last input under vmap of one sample
-            # ("Expected X.is_contiguous(memory_format)", torch 2.11 and 2.13): the loop
+            # ("Expected X.is_contiguous(memory_format)", torch 2.11 and 2.13), torch.linalg.solve of a sample's
+            # [1, n, n] matrix and a shared [n] vector when the batch has n samples (vmap takes the vector for a
+            # matrix: a result of one more dim, which a later op refuses, "Incompatible shapes" or "must have
+            # same number of dimensions", torch 2.11 and 2.13): the loop
             if not any(m in str(exc) for m in ("batch", "shape", "saved tensor hooks", "vmap support",
                                                "data-dependent control flow", "proper Tensor but got None",
-                                               "is_contiguous(memory_format)")):
+                                               "is_contiguous(memory_format)", "same number of dimensions")):
                 raise
             return per_sample_gradients(model, per_sample_loss, inputs, targets, forward=forward, loop=True)
     return g

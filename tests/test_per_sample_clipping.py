@@ -607,3 +607,20 @@ def test_einsum_of_three_operands_with_an_unbacked_batch(schedule):
     backend = check_against_reference(BilinearReadout(), M.ce, inputs, targets, schedule=schedule, compiler="eager")
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+
+
+def test_the_oracle_of_a_solve_against_a_shared_vector_with_as_many_samples_as_rows():
+    """The oracle itself: vmap takes a shared [3] right-hand side of torch.linalg.solve for a matrix when the batch
+    has 3 samples (a result of one more dim; torch 2.11 and 2.13), and the per-sample gradients then come from one
+    backward per sample. They must equal that loop's, for the batch sizes the GPU tests run."""
+    from reference import per_sample_gradients
+
+    c = CASES["linalg_distances"]
+    model = c.model()
+    for n in (3, 5):
+        inputs, targets = c.data(n)
+        got = per_sample_gradients(model, c.loss, inputs, targets)
+        want = per_sample_gradients(model, c.loss, inputs, targets, loop=True)
+        assert set(got) == set(want) and all(got[k].shape[0] == n for k in got), {k: v.shape for k, v in got.items()}
+        for k in want:
+            torch.testing.assert_close(got[k], want[k])

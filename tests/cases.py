@@ -444,8 +444,8 @@ SHARDED_LAYER_KINDS = {n: c for n, c in SMALL_LAYER_CASES.items() if n not in AL
 # op: each kind sharded once (CI time: both schedules of every kind at once took 4 minutes of CI's two cores;
 # Inductor's compile of every kind at once 4-5 minutes of a CI core on each rank, 270 kernels). bk has the
 # convolutions (it keeps their per-sample gradients); sharded ghost convolutions: vision_blocks in test_fsdp's
-# input_gram and placements jobs. On one process every kind runs both schedules (test_per_sample_clipping), and
-# each half through Inductor with a sharded step's unbacked batch (its test_every_layer_kind_through_inductor_...).
+# input_gram and placements jobs. On one process every kind runs both schedules (test_per_sample_clipping), one of
+# them through Inductor with a sharded step's unbacked batch (its test_matches_reference).
 _KINDS = sorted(SHARDED_LAYER_KINDS)
 SHARDED_KIND_HALVES = {"layer_kinds_bk": _KINDS[1::2], "layer_kinds_ghost": _KINDS[0::2]}
 assert "conv_kinds" in SHARDED_KIND_HALVES["layer_kinds_bk"]

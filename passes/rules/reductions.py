@@ -58,20 +58,17 @@ def _reduction(an, node):
         keep = bool(args[2] if args[2] is not None else kw.get("keepdim", False))
     dims = sorted({norm_dim(d, n) for d in dims}) if n > 0 else []
 
-    def wrap(state):
-        return each_output(node, state)
-
     if s.dim is None:
-        return wrap(SINGLE)
+        return each_output(node, SINGLE)
     if s.dim in dims:
         if packet in _LINEAR_REDUCTIONS:
-            return wrap(Reduced(node))
+            return each_output(node, Reduced(node))
         if known(an.B == 1):
-            return wrap(SINGLE)  # over the one sample there is: nothing mixed
-        return wrap(Mixed(node, f"{packet.__name__} over the sample dim"))
+            return each_output(node, SINGLE)  # over the one sample there is: nothing mixed
+        return each_output(node, Mixed(node, f"{packet.__name__} over the sample dim"))
     if keep:
-        return wrap(s)
-    return wrap(s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
+        return each_output(node, s)
+    return each_output(node, s.moved(s.dim - sum(1 for d in dims if d < s.dim)))
 
 
 def _along_dim(an, node):

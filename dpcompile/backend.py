@@ -14,6 +14,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import MutableMapping
 from typing import Any, Callable
 
 import torch
@@ -39,7 +40,7 @@ from dpcompile.config import DPConfig
 from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
 from dpcompile.embedding_bag import embedding_bags_as_embeddings
 from dpcompile.errors import DPCompileError, DPValueError
-from dpcompile.debug import GraphDumper, graph_text, resolve_dump_dir
+from dpcompile.debug import GraphDumper, GraphTexts, graph_snapshot, graph_text, resolve_dump_dir
 from dpcompile.eager_guard import in_non_private, sentinel
 from dpcompile.fx_utils import clean_module_path, known
 from dpcompile.gathered_writes import refuse_writes_to_gathered_params
@@ -77,7 +78,8 @@ class CompiledStep:
 
     compile_id: str
     inputs: list[GraphInput]
-    graphs: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> readable graph
+    # stage -> readable graph, printed when first read (debug.GraphTexts)
+    graphs: MutableMapping[str, str] = dataclasses.field(default_factory=GraphTexts)
     # per stage ("forward", "backward"): (op, output shape) of every call, in
     # order, taken before Inductor lowers (and strips) the graphs
     ops: dict[str, list[tuple[str, tuple]]] = dataclasses.field(default_factory=dict)
@@ -424,10 +426,11 @@ class DPPartitioner(CustomPartitionerFn):
     def _dump(self, stage: str, gm: fx.GraphModule, keep: bool = True) -> None:
         """The stage's readable graph into the dumps; kept in ``record.graphs`` too unless ``keep`` is False
         (the graph after each pass: printing a GPT-2-sized joint graph once per pass cost seconds of every
-        compile, so those texts are made only when a dump directory or TORCH_TRACE wants them)."""
+        compile, so those texts are made only when a dump directory or TORCH_TRACE wants them). A kept stage
+        is a snapshot, printed when first read (the dumps, or a user reading ``record.graphs``)."""
         if keep:
-            self.record.graphs[stage] = text = graph_text(gm)
-            self.dumper.dump(stage, text)
+            self.record.graphs[stage] = graph_snapshot(gm)
+            self.dumper.dump(stage, lambda: self.record.graphs[stage])
         else:
             self.dumper.dump(stage, lambda: self.record.graphs.setdefault(stage, graph_text(gm)))
 
@@ -757,8 +760,8 @@ class DPBackend:
         record.counters["nonempty_batch_asserts_removed"] = nonempty_asserts  # with passes.empty_batch's
         self.compiled.append(record)
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())
-        record.graphs["dynamo"] = graph_text(gm)
-        dumper.dump("dynamo_graph", record.graphs["dynamo"])
+        record.graphs["dynamo"] = graph_snapshot(gm)
+        dumper.dump("dynamo_graph", lambda: record.graphs["dynamo"])
         inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
         distributed = any(gi.sharded or gi.tp for gi in inputs)  # collectives in the graphs

@@ -22,6 +22,7 @@ import pathlib
 import pickle
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -191,7 +192,7 @@ RECORDED = ("graphs", "ops", "counters", "summary", "noise_index_ranks")
 def _plain(v: Any) -> Any:
     """v with every value that is not a plain Python one (a symbolic size, an op) as its text: what a later
     process can read back without this compile's shape environment."""
-    if isinstance(v, dict):
+    if isinstance(v, Mapping):  # record.graphs (debug.GraphTexts) too: its snapshots printed now
         return {_plain(k): _plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return type(v)(_plain(x) for x in v)

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import re
+from collections.abc import MutableMapping
 from typing import Any, Callable, Iterator
 
 import torch.fx as fx
@@ -33,6 +34,66 @@ def graph_text(gm: fx.GraphModule) -> str:
         return gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     except TypeError:
         return gm.print_readable(print_output=False)
+
+
+def graph_snapshot(gm: fx.GraphModule) -> Callable[[], str]:
+    """A function that prints ``gm`` as it is now (``graph_text``), later. Printing a GPT-2-sized graph takes
+    seconds and most compiles never read their texts; copying its nodes takes a fifth of that. The copy shares
+    each node's meta values (fake tensors, which no pass changes in place); later rewrites of ``gm`` (the
+    passes, Inductor's own) do not reach it. Child graph modules (higher-order ops' bodies) are small: printed
+    now."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen  # how the signature and the return are printed (pytree specs)
+    out, old = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(out, type_expr=old.type).meta.update(old.meta)
+    name = gm._get_name()
+    children = [(n, graph_text_of(m, n)) for n, m in gm.named_children() if isinstance(m, fx.GraphModule)]
+
+    def text() -> str:
+        code = graph.python_code(root_module="self", verbose=True, include_stride=False, include_device=False,
+                                 colored=False).src.lstrip("\n")
+        body = fx.graph_module._addindent(f"class {name}(torch.nn.Module):\n" + code, 4)
+        return body + fx.graph_module._addindent("\n".join([""] + [t for _, t in children]), 4)
+
+    return text
+
+
+def graph_text_of(gm: fx.GraphModule, name: str) -> str:
+    """A child graph module's text as print_readable prints it (under its attribute name)."""
+    return fx.graph_module._print_readable(gm, name, print_output=False)
+
+
+class GraphTexts(MutableMapping):
+    """stage -> readable graph (``CompiledStep.graphs``): a stage set from ``graph_snapshot`` is printed when
+    first read."""
+
+    def __init__(self, items: Any = ()):
+        self._texts: dict[str, "str | Callable[[], str]"] = {}
+        self.update(items)
+
+    def __getitem__(self, stage: str) -> str:
+        text = self._texts[stage]
+        if callable(text):
+            text = self._texts[stage] = text()
+        return text
+
+    def __setitem__(self, stage: str, text: "str | Callable[[], str]") -> None:
+        self._texts[stage] = text
+
+    def __delitem__(self, stage: str) -> None:
+        del self._texts[stage]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._texts)
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __repr__(self) -> str:
+        return f"GraphTexts({sorted(self._texts)})"
+
+    def __reduce__(self):  # pickled (the compile cache's record) as the printed texts
+        return (GraphTexts, (dict(self.items()),))
 
 
 class GraphDumper:

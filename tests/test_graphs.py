@@ -169,6 +169,36 @@ def test_dumps_and_summary(tmp_path):
     assert "class GraphModule" in open(os.path.join(folder, [n for n in names if n.endswith("_backward.py")][0])).read()
 
 
+def test_kept_graph_texts_are_printed_when_read_as_they_were_when_kept(monkeypatch):
+    """record.graphs keeps snapshots, printed when first read (printing is most of a graph's cost at GPT-2 size,
+    and most compiles never read them): each text must be the graph as it was at its stage, not as later passes
+    or Inductor's own (post-grad, in place on the forward and backward) left it; checkpoint bodies included."""
+    import dpcompile.backend as backend_module
+    from cases import CASES
+    from dpcompile.debug import graph_text
+
+    at_stage = []
+    keep = backend_module.graph_snapshot
+    monkeypatch.setattr(backend_module, "graph_snapshot", lambda gm: at_stage.append(graph_text(gm)) or keep(gm))
+    case = CASES["checkpointed"]
+    inputs, targets = case.data(5)
+    model = case.model()
+    backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=5, schedule="ghost")
+
+    def step(xs, ts):
+        loss = case.loss(model(*xs), *ts).mean()
+        loss.backward()
+        return loss.detach()
+
+    torch.compile(step, backend=backend)(inputs, targets)
+    records = [r for r in backend.compiled if r.dp]
+    assert records and all(callable(t) for r in records for t in r.graphs._texts.values())  # none printed yet
+    got = [text for r in backend.compiled for text in r.graphs.values()]
+    assert len(got) == len(at_stage) >= 5 and "checkpoint" in at_stage[0]
+    for text, want in zip(got, at_stage):
+        assert text == want
+
+
 def test_dump_dir_context_manager_and_env(tmp_path):
     torch._dynamo.reset()
     model = M.MLP()

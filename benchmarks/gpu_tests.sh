@@ -100,7 +100,8 @@ if [ "$part" != nccl ]; then
   # (16 workers of 16 threads each ran the suite several times slower). The NCCL part keeps both: its
   # few processes compile Triton kernels, serially with one thread.
   TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
-  run_part single -n "$workers" --dist loadgroup -k "not nccl" $targets "$@"
+  # --extended: both test tiers (tests/tiers.py); CI runs the default one only
+  run_part single -n "$workers" --dist loadgroup --extended -k "not nccl" $targets "$@"
 fi
 if [ "$part" != single ]; then
   # NCCL_WORKERS tests at a time (pytest-xdist), each with its own ranks on the same GPUs: one at a time the

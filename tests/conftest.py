@@ -11,6 +11,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import tiers  # noqa: E402
+
 
 def _keep_pytest_off_torchs_trace_log() -> None:
     """pytest's log capture hangs its handlers on every logger, torch's trace log too; torch then builds every
@@ -43,9 +45,18 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended tier (tests/tiers.py): CI runs the default tier only")
+
+
 def pytest_configure(config):
     # known to pytest-xdist (--dist loadgroup); registered so a run without xdist does not warn
     config.addinivalue_line("markers", "xdist_group(name): tests run on one xdist worker")
+    config.addinivalue_line("markers", "extended: a test of the extended tier (tests/tiers.py)")
+    if config.getoption("extended"):
+        # before the test modules are imported: the shared rank groups build their job tables from it
+        os.environ[tiers.ENV] = "1"
 
 
 _UNGROUPED = []
@@ -59,6 +70,10 @@ def pytest_collection_modifyitems(config, items):
     doubles and concurrent identical compiles race on the compile cache. Those tests fail at setup instead
     (an error raised here would be lost in xdist's internal error)."""
     _skip_upstream_bugs(items)
+    if not tiers.extended_tier():
+        for item in items:
+            if item.get_closest_marker("extended"):
+                item.add_marker(pytest.mark.skip(reason=tiers.REASON))
     if os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False):
         _UNGROUPED.extend(item for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid)
 

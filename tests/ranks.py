@@ -8,6 +8,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import dist_worker
+import tiers
 
 
 def spawn(fn, *args, world=2, timeout=420):
@@ -40,13 +41,20 @@ class SharedRanks:
     (dist_worker.jobs) when its first test asks; with more than SPREAD_WORKERS workers each job is a group of
     its own; a plain run runs all of them in one."""
 
-    def __init__(self, name: str, jobs: dict, world: int = 2, timeout: int = 2400):
+    def __init__(self, name: str, jobs: dict, world: int = 2, timeout: int = 2400, extended_jobs=()):
         self.name, self.jobs, self.world, self.timeout = name, jobs, world, timeout
+        # jobs of the extended tier (tests/tiers.py): in their group, run only when that tier runs
+        self.extended_jobs = frozenset(extended_jobs)
+        assert self.extended_jobs <= set(jobs), self.extended_jobs - set(jobs)
         self._dirs: dict = {}
 
     def mark(self, job: str):
         """The xdist_group mark of a test that reads ``job``."""
         return pytest.mark.xdist_group(f"{self.name}{self._group(job)}")
+
+    def marks(self, job: str) -> list:
+        """Every mark of a test that reads ``job``: its xdist group, and the extended tier's for its jobs."""
+        return [self.mark(job)] + ([tiers.extended] if job in self.extended_jobs else [])
 
     def _group(self, job: str) -> str:
         if not os.environ.get("PYTEST_XDIST_WORKER"):
@@ -59,7 +67,8 @@ class SharedRanks:
         """The job's output folder, its group run first if it has not run; a job that raised fails the test."""
         group = self._group(job)
         if group not in self._dirs:
-            specs = {j: spec[1:] for j, spec in self.jobs.items() if self._group(j) == group}
+            specs = {j: spec[1:] for j, spec in self.jobs.items()
+                     if self._group(j) == group and (j not in self.extended_jobs or tiers.extended_tier())}
             out = tmp_path_factory.mktemp(f"{self.name}{group}")
             try:
                 spawn(dist_worker.jobs, str(out), specs, world=self.world, timeout=self.timeout)

@@ -12,6 +12,7 @@ from dpcompile.passes import aligned_contractions as AC
 from dpcompile.passes.cleanup import finalize
 from helpers import check_against_reference
 from cases import LAYER_CASES
+from tiers import extended
 
 aten = torch.ops.aten
 
@@ -93,9 +94,12 @@ def test_strided_results_reach_outputs_contiguous():
 # One schedule per kind, alternating (the pass pads after either schedule's rewrite: each schedule's graphs are
 # padded in half the kinds), and a quarter of the kinds through Inductor's code (CI time), not reparametrised
 # (padded, its bicubic interpolate's backward took 100 s of CI to compile; its Inductor code: test_per_sample_clipping)
-@pytest.mark.parametrize("case,schedule,compiler", [
-    (case, ("bk", "ghost")[i // 2 % 2], "inductor" if i % 4 == 0 and case != "reparametrised" else "eager")
-    for i, case in enumerate(sorted(LAYER_CASES))])
+# The kinds op by op are the extended tier (tests/tiers.py): the default tier pads a quarter of the kinds, through
+# Inductor, and the GPT and computed-value tests below.
+@pytest.mark.parametrize("case,schedule,compiler", [pytest.param(
+    case, ("bk", "ghost")[i // 2 % 2], compiler, marks=[extended] if compiler == "eager" else [])
+    for i, case in enumerate(sorted(LAYER_CASES))
+    for compiler in ["inductor" if i % 4 == 0 and case != "reparametrised" else "eager"]])
 def test_every_layer_kind_stays_exact_when_padded(case, schedule, compiler, monkeypatch):
     """Every layer kind of the clipping tests, with their odd sizes (3, 5, 6, 11, 13) padded to 8: what the pass
     pads is checked op by op, and a quarter of the kinds through Inductor's code too (CI time;
@@ -196,8 +200,9 @@ def test_readers_that_need_the_values_layout_keep_it():
     assert s.args[0].target is aten.slice.Tensor  # the sum still reads the padded buffer
 
 
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
+# each schedule once tied and once not; the other pairings are the extended tier (tests/tiers.py)
+@pytest.mark.parametrize("schedule,tied", [("bk", True), ("ghost", False), pytest.param("bk", False, marks=extended),
+                                           pytest.param("ghost", True, marks=extended)])
 def test_computed_padded_values_give_the_exact_gradients(schedule, tied, monkeypatch):
     """The sharing at work on a GPT (logits gradient, attention and MLP gradients all computed padded; tied: the
     cross term's gather of the logits gradient reads it sliced too), against the vmap(grad) oracle with

@@ -6,6 +6,7 @@ from torch._inductor.utils import fresh_cache
 
 import models as M
 from helpers import compile_step
+from tiers import extended
 
 from dpcompile import compile_cache
 from dpcompile.compat import cache_serves_sharded_steps
@@ -145,7 +146,9 @@ def test_a_new_process_reads_back_the_record_of_the_compile_that_filled_the_cach
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
-@pytest.mark.parametrize("layout,schedule", [("fsdp", "bk"), ("tp", "ghost")])
+# the tensor-parallel restart is the extended tier (tests/tiers.py): the sharded one reads back every rank's own
+# compile the same way
+@pytest.mark.parametrize("layout,schedule", [("fsdp", "bk"), pytest.param("tp", "ghost", marks=extended)])
 def test_a_restart_of_a_sharded_or_tensor_parallel_step_hits_the_cache_on_every_rank(
         layout, schedule, tmp_path, monkeypatch):
     """Two ranks share one cache folder, as on one machine: each reads back its own compile (ranks' graphs and

@@ -8,6 +8,7 @@ import torch
 import dist_worker
 import dpcompile
 from ranks import SharedRanks, spawn
+from tiers import extended, extended_tier
 from ranks import read as _read
 from dpcompile.compat import dtensor_takes_unbacked_batch, meshes_are_graph_inputs
 from cases import BATCH_MEANS, SHARDED_CASES, SHARDED_EAGER_ONLY, SHARDED_KIND_HALVES, check_case_invariants
@@ -77,6 +78,29 @@ def _alternated_runs():
 
 
 SHARDED_RUNS = _sharded_runs()
+
+
+def _extended_runs(runs):
+    """The runs of the extended tier (tests/tiers.py): where a case runs both schedules sharded, the default tier
+    keeps one, its run through Inductor where it has one (else ghost, whose first backward drops collectives);
+    gpt keeps a bk run too. The others: the second schedule of a case the default tier runs sharded (CI time)."""
+    by_case: dict = {}
+    for run in runs:
+        by_case.setdefault(run[0], []).append(run)
+    extended = set()
+    for case, own in by_case.items():
+        if len(own) < 2:
+            continue
+        keep = [r for r in own if "eager" not in r[2]] or [r for r in own if r[1] == "ghost"]
+        if case == "gpt":
+            keep.append(next(r for r in own if r[1] == "bk" and "pad" not in r[2]))
+        extended |= {r for r in own if r not in keep}
+    # the layer kinds' ghost half (the bk half runs sharded in the default tier; every kind of both halves runs
+    # both schedules on one process there, one of them through Inductor with the sharded step's unbacked batch)
+    return extended | {r for r in runs if r[0] == "layer_kinds_ghost"}
+
+
+EXTENDED_RUNS = _extended_runs(SHARDED_RUNS)
 # The runs share their ranks (ranks.SharedRanks): under pytest-xdist (--dist loadgroup) one process group for
 # each of these groups, each on its own worker; a plain run runs them all in one process group.
 # the layer kinds alone: each half's run, op by op, takes about 2 minutes of two CI cores.
@@ -88,9 +112,9 @@ def _matrix_job(case):
     return f"group{MATRIX_GROUPS.get(case, 3)}"
 
 
-MATRIX = SharedRanks("matrix", {f"group{g}": (g, "every_case", dict(runs=[r for r in SHARDED_RUNS
-                                                                          if _matrix_job(r[0]) == f"group{g}"]))
-                                for g in range(5)})
+MATRIX = SharedRanks("matrix", {f"group{g}": (g, "every_case", dict(runs=[
+    r for r in SHARDED_RUNS if _matrix_job(r[0]) == f"group{g}" and (r not in EXTENDED_RUNS or extended_tier())]))
+    for g in range(5)})
 
 
 # Smaller 2-rank tests share their ranks too (ranks.SharedRanks): {job: (group, dist_worker function, keywords)}
@@ -125,12 +149,17 @@ RANKS = SharedRanks("ranks", {
     # unbacked batch size runs on one process (test_convolution's test_auto_takes_input_gram_..., unbacked)
     "input_gram": (1, "every_case", dict(runs=[("vision_blocks", "bk", "private_step+eager+input_gram"),
                                                ("vision_blocks", "ghost", "compile+eager+input_gram")])),
-})
+}, extended_jobs=(
+    # the extended tier (tests/tiers.py): bucketing with a size of the user's choice (fully_shard's default
+    # bucketing runs in the default tier); input_gram sharded (on one process in the default tier, through
+    # Inductor with an unbacked batch: test_convolution)
+    "bucketed_gpt_bk_16", "input_gram"))
 _ranks = RANKS.mark
 
 
-@pytest.mark.parametrize("case,schedule,form", [pytest.param(*run, marks=MATRIX.mark(_matrix_job(run[0])))
-                                                 for run in SHARDED_RUNS])
+@pytest.mark.parametrize("case,schedule,form", [
+    pytest.param(*run, marks=[MATRIX.mark(_matrix_job(run[0]))] + ([extended] if run in EXTENDED_RUNS else []))
+    for run in SHARDED_RUNS])
 def test_sharded_matches_single_process_reference(case, schedule, form, shared_ranks):
     """Per-rank batches (0, 3), (1, 4), (5, 3), (0, 0) of different data, one graph, plain torch.compile or
     private_step with no other call: each rank's gathered gradient equals the float64 oracle on the
@@ -166,6 +195,7 @@ def test_cpp_wrapper_sharded(tmp_path):
 
 
 @_ranks("input_gram")
+@extended
 def test_input_gram_conv_norms_sharded(shared_ranks):
     """conv_norm="input_gram" on 2 ranks (an unbacked batch size, ranks with no samples): every convolution of the
     vision blocks (strided, depthwise 7x7, transposed, 1x1, a Conv1d) exact against the oracle, both schedules,
@@ -216,7 +246,7 @@ def test_padded_contractions_on_a_sharded_model(shared_ranks):
 
 
 @pytest.mark.parametrize("case,schedule,bucket_mb", [
-    pytest.param(c, s, mb, marks=_ranks(f"bucketed_{c}_{s}_{mb or 'default'}"))
+    pytest.param(c, s, mb, marks=RANKS.marks(f"bucketed_{c}_{s}_{mb or 'default'}"))
     for c, s, mb in [("gpt", "bk", 16), ("llama", "ghost", None)]])
 def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, shared_ranks):
     """Inductor merges the gathers and the clipped gradients' reduce-scatters after the dp rewrite, and
@@ -408,6 +438,7 @@ def test_gpus_nccl_bf16_against_fp64_reference(world, case, tmp_path):
     assert max(worst.values()) < 1, worst  # each: the worst error over its bound (correctness_nccl_bf16)
 
 
+@extended  # tests/tiers.py: the default tier's 2-D mesh is dp x tp (test_tensor_parallel)
 def test_hybrid_sharding_2x2_mesh(tmp_path):
     """4 ranks, replicate across mesh dim 0 and shard within dim 1: both schedules exact against the
     reference; replicas of a shard (ranks 0/2, 1/3) add the same noise draw, shards different ones."""

@@ -34,19 +34,26 @@ RUNS = {f"{c}-{s}-{comp}-{dp}": (c, s, comp, dp) for c, s, comp, dp in [
 ]}
 
 
+# The extended tier (tests/tiers.py): the plain MLP and torchtitan's Llama plan without sequence parallelism at
+# tp 2 (the default tier: a Llama block's Colwise/Rowwise, torchtitan's plan with sequence parallelism, both
+# schedules), and the MLP at dp x tp (the default tier: the sequence-parallel Llama there)
+EXTENDED = ("gpt-bk-eager-1", "llama_tp-bk-eager-1", "gpt-ghost-eager-2")
+
+
 def _shared(world):
     """The runs on `world` ranks share them (ranks.SharedRanks): the 2-rank ones in two process groups, the
     4-rank ones in one."""
     runs = [run for run, v in RUNS.items() if 2 * v[3] == world]
     return SharedRanks(f"tp{world}_", {run: (i % 2 if world == 2 else 0, "tensor_parallel",
                                              dict(zip(("case", "schedule", "compiler", "dp"), RUNS[run])))
-                                       for i, run in enumerate(runs)}, world=world)
+                                       for i, run in enumerate(runs)}, world=world,
+                       extended_jobs=[run for run in runs if run in EXTENDED])
 
 
 RANKS = {world: _shared(world) for world in (2, 4)}
 
 
-@pytest.mark.parametrize("case,schedule,compiler,dp", [pytest.param(*v, id=run, marks=RANKS[2 * v[3]].mark(run))
+@pytest.mark.parametrize("case,schedule,compiler,dp", [pytest.param(*v, id=run, marks=RANKS[2 * v[3]].marks(run))
                                                        for run, v in RUNS.items()])
 def test_tensor_parallel_gradients_equal_the_oracle_and_noise_is_drawn_once_per_coordinate(
         case, schedule, compiler, dp, shared_ranks):

@@ -1,0 +1,25 @@
+"""The two test tiers. The default tier is what CI runs (README's test command, under 30 minutes on 2 cores);
+``python -m pytest --extended`` adds the extended tier, which benchmarks/gpu_tests.sh always runs.
+
+A test belongs to the extended tier when the default tier already runs the same code path in another
+parametrisation: another schedule of a sharded case (every case runs sharded in the default tier, each
+schedule on about half of them), another layout of a feature the default tier runs sharded, every layer kind
+with the CUDA padding rule forced on for CPU (the padding rule itself runs in the default tier). Privacy-relevant
+paths (every op rule, every case on one process in both schedules, every case sharded, refusals, noise,
+accounting) stay in the default tier."""
+import os
+
+import pytest
+
+ENV = "DPCOMPILE_EXTENDED_TESTS"  # "1": the extended tier runs (set by --extended, inherited by spawned ranks)
+extended = pytest.mark.extended
+REASON = "extended tier (the default tier runs this path in another parametrisation): python -m pytest --extended"
+
+
+def extended_tier() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def unless_extended(items):
+    """The items when the extended tier runs, else none (the extended runs of a shared rank group)."""
+    return list(items) if extended_tier() else []

@@ -16,11 +16,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(autouse=True)
 def exact_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    # cuDNN's flags through their context manager: a worker that collected test_op_sweep imported torch's op
+    # database, whose common_utils freezes them (torch.backends.disable_global_flags), and then setting one raises
+    cudnn = torch.backends.cudnn
+    old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    try:
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                         allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 _clipped_on_cuda = functools.partial(clipped_on, "cuda")

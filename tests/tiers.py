@@ -1,4 +1,4 @@
-"""The two test tiers. The default tier is what CI runs (README's test command, under 30 minutes on 2 cores);
+"""The two test tiers. The default tier is what CI runs (README's test command; its budget: 30 minutes on 2 cores);
 ``python -m pytest --extended`` adds the extended tier, which benchmarks/gpu_tests.sh always runs.
 
 A test belongs to the extended tier when the default tier already runs the same code path in another

@@ -87,17 +87,17 @@ def _extended_runs(runs):
     by_case: dict = {}
     for run in runs:
         by_case.setdefault(run[0], []).append(run)
-    extended = set()
+    moved = set()
     for case, own in by_case.items():
         if len(own) < 2:
             continue
         keep = [r for r in own if "eager" not in r[2]] or [r for r in own if r[1] == "ghost"]
         if case == "gpt":
             keep.append(next(r for r in own if r[1] == "bk" and "pad" not in r[2]))
-        extended |= {r for r in own if r not in keep}
+        moved |= {r for r in own if r not in keep}
     # the layer kinds' ghost half (the bk half runs sharded in the default tier; every kind of both halves runs
     # both schedules on one process there, one of them through Inductor with the sharded step's unbacked batch)
-    return extended | {r for r in runs if r[0] == "layer_kinds_ghost"}
+    return moved | {r for r in runs if r[0] == "layer_kinds_ghost"}
 
 
 EXTENDED_RUNS = _extended_runs(SHARDED_RUNS)

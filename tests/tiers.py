@@ -18,8 +18,3 @@ REASON = "extended tier (the default tier runs this path in another parametrisat
 
 def extended_tier() -> bool:
     return os.environ.get(ENV) == "1"
-
-
-def unless_extended(items):
-    """The items when the extended tier runs, else none (the extended runs of a shared rank group)."""
-    return list(items) if extended_tier() else []

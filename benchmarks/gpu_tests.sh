@@ -99,8 +99,9 @@ if [ "$part" != nccl ]; then
   # one Inductor compile thread and one intra-op thread per worker: the workers already fill the cores
   # (16 workers of 16 threads each ran the suite several times slower). The NCCL part keeps both: its
   # few processes compile Triton kernels, serially with one thread.
+  # --extended: both test tiers (tests/tiers.py); CI runs the default one only. (No comment line may sit
+  # between the variables and the command: it ends the command, and the variables then reach no worker.)
   TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
-  # --extended: both test tiers (tests/tiers.py); CI runs the default one only
   run_part single -n "$workers" --dist loadgroup --extended -k "not nccl" $targets "$@"
 fi
 if [ "$part" != single ]; then

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import os
 import time
 
@@ -79,6 +80,7 @@ def jobs(rank, world, init_file, out_dir, specs):
                 f.write(f"not run: job {failed!r} before it on these ranks raised")
             continue
         torch._dynamo.reset()
+        start, cpu_start = time.time(), time.process_time()
         try:
             with _restoring(globals_):
                 globals()[fn](rank, world, init_file, out_dir=job_dir, **kwargs)
@@ -88,6 +90,9 @@ def jobs(rank, world, init_file, out_dir, specs):
                 f.write(traceback.format_exc()[-4000:])
         finally:
             inductor_config.load_config(settings)
+            # what each job costs (this rank's process, not its compile workers): CI time is the suite's budget
+            with open(os.path.join(job_dir, f"cost{rank}.json"), "w") as f:
+                json.dump({"seconds": time.time() - start, "cpu_seconds": time.process_time() - cpu_start}, f)
     _SHARED_GROUP[0] = False
     _finish()
 
@@ -332,7 +337,7 @@ def _buffers(model) -> dict:
 
 
 def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, every_grads):
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
     first = 0  # the step's first sample among every_grads' rows
 
     def step(inputs, targets):
@@ -399,6 +404,7 @@ def _run_sharded_steps(case, model, ref_model, rank, form, options, C, batches, 
             "recomputed": graphs[0].counters.get("second_backward_recomputed_contractions", 0),
             "counters": graphs[0].counters, "frozen": graphs[0].summary["frozen"], "clipped": clipped,
             "unclipped": unclipped, "worst": worst, "seconds": time.time() - start,
+            "cpu_seconds": time.process_time() - cpu_start,
             "waits_out_of_order": waits_out_of_order(graphs[0]),
             "placements": sorted({f"{p.placements}" for p in model.parameters()}),
             "meshes": sorted({f"{p.device_mesh}" for p in model.parameters()})}
@@ -471,9 +477,9 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
 
     mesh = _init(rank, world, init_file)
     results = {}
-    # every loss but cross_entropy's bk with compiler="eager" (CI time: the loss pass is what they test; Inductor
-    # runs them on one process, test_per_sample_clipping)
-    for loss, schedule, form, compiler in (("cross_entropy", "bk", "compile", "inductor"),
+    # every loss with compiler="eager" (CI time: the loss pass is what they test; Inductor runs them on one process,
+    # test_per_sample_clipping and test_losses)
+    for loss, schedule, form, compiler in (("cross_entropy", "bk", "compile", "eager"),
                                            ("cross_entropy", "ghost", "private_step", "eager"),
                                            ("label_smoothing", "ghost", "compile", "eager"),
                                            ("kl_batchmean", "bk", "private_step", "eager"),
@@ -534,8 +540,8 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
 def dropout(rank, world, init_file, out_dir, runs=(("bk", "compile", "eager"), ("ghost", "private_step", "inductor"))):
     """models.DropoutLM sharded (test_dropout's model): per-rank batches SHARDED_STEPS, each step seeded per rank
     and step; every rank's gathered gradient against the replayed oracle (reference.replayed_per_sample_gradients
-    on each rank's own batch and seed, the clipped sums added over the ranks). bk op by op with
-    torch.compile, ghost through Inductor (fallback_random: torch's random ops) with private_step."""
+    on each rank's own batch and seed, the clipped sums added over the ranks). runs: (schedule, "compile" or
+    "private_step", compiler); Inductor with fallback_random (torch's random ops)."""
     import json
     import traceback
 

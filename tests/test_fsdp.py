@@ -37,19 +37,20 @@ def _sharded_runs():
     in cases.SHARDED_EAGER_ONLY runs bk op by op only (its reason there); the two halves of the layer kinds
     (cases.SHARDED_KIND_HALVES) one schedule each, op by op (why there).
 
-    CI time (the suite neared CI's 30 minutes): Inductor's code sharded is kept where it shows something of
-    its own (_SHARDED_INDUCTOR: the tied head, an HF model's bk, a loss over one-hot targets' bk, the
-    padded and recomputed ghost steps); the other cases' Inductor runs go op by op (Inductor's code for each of them
-    runs on one process with an unbacked batch, test_per_sample_clipping)."""
+    CI time (the suite is over CI's 30 minutes): Inductor's code sharded is kept where it shows something of
+    its own (_SHARDED_INDUCTOR: an HF model's bk, a loss over one-hot targets' bk, gpt's padded and recomputed
+    ghost steps); the other cases' Inductor runs go op by op (Inductor's code for each of them runs on one process
+    with an unbacked batch, test_per_sample_clipping), and the tied head's and the recomputed HF logits' runs
+    through Inductor are in the extended tier (EXTENDED_INDUCTOR)."""
     return [(case, schedule, form if "eager" in form or _keeps_inductor(case, form) else form + "+eager")
             for case, schedule, form in _alternated_runs()]
 
 
-_SHARDED_INDUCTOR = ("gpt_tied", "hf_llama", "one_hot_targets")
+_SHARDED_INDUCTOR = ("hf_llama", "one_hot_targets")
 
 
 def _keeps_inductor(case: str, form: str) -> bool:
-    return case in _SHARDED_INDUCTOR or "pad" in form or "recompute" in form
+    return case in _SHARDED_INDUCTOR or "pad" in form
 
 
 def _alternated_runs():
@@ -77,7 +78,11 @@ def _alternated_runs():
     return runs
 
 
-SHARDED_RUNS = _sharded_runs()
+# Inductor's code for the tied head and for the second backward's recomputed logits of an HF model, sharded: the
+# default tier runs them op by op (about 60 s of each rank's CI time), and Inductor's code for gpt's recomputed
+# ghost step sharded
+EXTENDED_INDUCTOR = (("gpt_tied", "ghost", "compile"), ("hf_gpt2", "ghost", "compile+recompute"))
+SHARDED_RUNS = _sharded_runs() + list(EXTENDED_INDUCTOR)
 
 
 def _extended_runs(runs):
@@ -100,7 +105,7 @@ def _extended_runs(runs):
     return moved | {r for r in runs if r[0] == "layer_kinds_ghost"}
 
 
-EXTENDED_RUNS = _extended_runs(SHARDED_RUNS)
+EXTENDED_RUNS = _extended_runs(_sharded_runs()) | set(EXTENDED_INDUCTOR)
 # The runs share their ranks (ranks.SharedRanks): under pytest-xdist (--dist loadgroup) one process group for
 # each of these groups, each on its own worker; a plain run runs them all in one process group.
 # the layer kinds alone: each half's run, op by op, takes about 2 minutes of two CI cores.
@@ -120,7 +125,7 @@ MATRIX = SharedRanks("matrix", {f"group{g}": (g, "every_case", dict(runs=[
 # Smaller 2-rank tests share their ranks too (ranks.SharedRanks): {job: (group, dist_worker function, keywords)}
 RANKS = SharedRanks("ranks", {
     # dpcompile's own placement of the collectives is the subject: op by op, issued as the graph runs them (CI time:
-    # 25 s of each rank's compile); Inductor's code for them: the bucketed and padded jobs and the matrix
+    # 25 s of each rank's compile); Inductor's code for them: the bucketed job and the matrix
     "collectives_gpt_bk": (0, "correctness", dict(case="gpt", schedule="bk", sizes=[3, 2], reshard_after_forward=True,
                                                   bucket_mb="off", compiler="eager")),
     "collectives_llama_ghost": (0, "correctness", dict(case="llama", schedule="ghost", sizes=[3, 2],
@@ -141,7 +146,10 @@ RANKS = SharedRanks("ranks", {
     "unmarked": (1, "unmarked_batch", {}),
     "cross_entropy_mean": (1, "cross_entropy_mean", {}),
     "ctc_loss": (1, "ctc_loss_sharded", {}),
-    "dropout": (0, "dropout", {}),
+    # both schedules op by op; ghost through Inductor (its fallback_random draws) in the extended tier (CI time:
+    # 90 s of the group's; Inductor's dropout on one process: test_dropout)
+    "dropout": (0, "dropout", dict(runs=(("bk", "compile", "eager"), ("ghost", "private_step", "eager")))),
+    "dropout_inductor": (1, "dropout", dict(runs=(("ghost", "private_step", "inductor"),))),
     # FSDP2's other ways to call fully_shard (dist_worker._sharded_case's flags)
     "placements": (1, "every_case", dict(runs=[("gpt", "bk", "compile+eager+last_dim+lists"),
                                                ("vision_blocks", "ghost", "private_step+eager+last_dim+no_mesh")])),
@@ -153,7 +161,10 @@ RANKS = SharedRanks("ranks", {
     # the extended tier (tests/tiers.py): bucketing with a size of the user's choice (fully_shard's default
     # bucketing runs in the default tier); input_gram sharded (on one process in the default tier, through
     # Inductor with an unbacked batch: test_convolution)
-    "bucketed_gpt_bk_16", "input_gram"))
+    "bucketed_gpt_bk_16", "input_gram",
+    # gpt_odd's padded bk through Inductor (the default tier pads sharded through Inductor in the matrix's gpt ghost
+    # run: its counters, the re-gathered weights and the exact gradients)
+    "padded", "dropout_inductor"))
 _ranks = RANKS.mark
 
 
@@ -234,6 +245,7 @@ def test_collectives_per_phase(case, schedule, shared_ranks):
 
 
 @_ranks("padded")
+@extended
 def test_padded_contractions_on_a_sharded_model(shared_ranks):
     """Odd widths, vocab and sequence padded inside the sharded graph (column-sliced weight gradients feed
     reduce-scatters): still exact, weights still re-gathered."""
@@ -305,14 +317,16 @@ def test_whole_batch_means_sharded(shared_ranks):
             assert r["counters"][counter] == 1, r["counters"]
 
 
-@_ranks("dropout")
-def test_dropout_sharded(shared_ranks):
+@pytest.mark.parametrize("job", [pytest.param(j, marks=RANKS.marks(j)) for j in ("dropout", "dropout_inductor")])
+def test_dropout_sharded(job, shared_ranks):
     """models.DropoutLM's dropouts and per-sample drop path sharded on 2 ranks, per-rank batches (0, 3), (1, 4),
     (5, 3), (0, 0) through one graph, each rank seeded per step: every rank's gathered gradient equals the
-    replayed oracle of the whole batch (dist_worker.dropout), bk op by op and ghost through Inductor."""
-    ranks = _read(shared_ranks(RANKS, "dropout"), prefix="dropout")
+    replayed oracle of the whole batch (dist_worker.dropout), both schedules op by op, and ghost through
+    Inductor (the extended tier)."""
+    ranks = _read(shared_ranks(RANKS, job), prefix="dropout")
+    want = {"-".join(run) for run in RANKS.jobs[job][2]["runs"]}
     for rank, results in enumerate(ranks):
-        assert set(results) == {"bk-compile-eager", "ghost-private_step-inductor"}, results
+        assert set(results) == want, results
         for key, r in results.items():
             assert r["error"] is None, f"rank {rank} {key}:\n{r['error']}"
             assert r["dp_graphs"] == 1, r

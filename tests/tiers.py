@@ -4,9 +4,11 @@
 A test belongs to the extended tier when the default tier already runs the same code path in another
 parametrisation: another schedule of a sharded case (every case runs sharded in the default tier, each
 schedule on about half of them), another layout of a feature the default tier runs sharded, every layer kind
-with the CUDA padding rule forced on for CPU (the padding rule itself runs in the default tier). Privacy-relevant
-paths (every op rule, every case on one process in both schedules, every case sharded, refusals, noise,
-accounting) stay in the default tier."""
+with the CUDA padding rule forced on for CPU (the padding rule itself runs in the default tier), a sharded run
+through Inductor whose case runs op by op sharded in the default tier while another sharded run there takes its
+feature through Inductor (padding, recomputed logits), or one process runs it through Inductor (dropout).
+Privacy-relevant paths (every op rule, every case on one process in both schedules, every case sharded, refusals,
+noise, accounting) stay in the default tier."""
 import os
 
 import pytest

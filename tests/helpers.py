@@ -85,6 +85,23 @@ def check_batches_against_reference(model, per_sample_loss, step, batches, *, ma
     return clipped, unclipped
 
 
+def check_one_graph_against_reference(model, per_sample_loss, batches, *, schedule, **options):
+    """One compile of a DP step with the batch unbacked (dpcompile.mark_batch) that runs every ``(x, y)`` of
+    ``batches``, each exact against the oracle, C the median per-sample norm of the first (clipping active).
+    Compiling once for every batch is what a sharded step does, and what CI's time allows. Returns the backend."""
+    x, y = batches[0]
+    _, norms = dp_reference(model, per_sample_loss, (x,), (y,), max_grad_norm=1.0, expected_batch_size=4)
+    C = float(norms.median())
+    step, backend = compile_step(model, per_sample_loss, max_grad_norm=C, noise_multiplier=0.0,
+                                 expected_batch_size=4, schedule=schedule, **options)
+    clipped, unclipped = check_batches_against_reference(model, per_sample_loss, step, batches, max_grad_norm=C,
+                                                         expected_batch_size=4, atol_of_largest=1e-6)
+    assert clipped and unclipped, (clipped, unclipped)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+    return backend
+
+
 def run_interpreted(script: str, *args: str) -> dict:
     """Runs tests/<script> (with args) with TRITON_INTERPRET=1 in a process of its own (the variable must be set before triton
     is imported) with this checkout's dpcompile first on the path; its JSON report."""

@@ -261,16 +261,14 @@ def test_masked_attention_falls_back_to_math_attention_exactly(schedule, monkeyp
     import models as M
     from cases import ids
     from dpcompile import compat
-    from helpers import check_against_reference
+    from helpers import check_one_graph_against_reference
 
     monkeypatch.setitem(compat._SDPA_FALLBACK, "always", True)
     before = compat._SDPA_FALLBACK["traced"]
-    for B in (4, 1):
-        torch.manual_seed(B)
-        x, y = ids(B, 5, 11, pad=0), torch.randn(B, 5, 3)
-        dpcompile.mark_batch(x, y)
-        backend = check_against_reference(M.PaddedAttention(), M.mse, (x,), (y,), schedule=schedule)
-        assert len([r for r in backend.compiled if r.dp]) == 1
+    torch.manual_seed(0)
+    check_one_graph_against_reference(M.PaddedAttention(), M.mse,
+                                      [(ids(B, 5, 11, pad=0), torch.randn(B, 5, 3)) for B in (4, 1)],
+                                      schedule=schedule)
     assert compat._SDPA_FALLBACK["traced"] > before
 
 
@@ -480,7 +478,7 @@ def _channels_last_convs_step(schedule, batches=(3, 1)):
     import torch.nn as nn
 
     import models as M
-    from helpers import check_against_reference
+    from helpers import check_one_graph_against_reference
 
     class ChannelsLastConvs(nn.Module):
         def __init__(self):
@@ -492,13 +490,10 @@ def _channels_last_convs_step(schedule, batches=(3, 1)):
             h = self.norm(self.patch(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # channels-last strides
             return self.head(self.dw(h).mean((2, 3)))
 
-    for B in batches:
-        torch.manual_seed(B)
-        x, y = torch.randn(B, 3, 8, 8), torch.randn(B, 3)
-        dpcompile.mark_batch(x, y)
-        backend = check_against_reference(ChannelsLastConvs(), M.mse, (x,), (y,), schedule=schedule)
-        (record,) = [r for r in backend.compiled if r.dp]
-        assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+    torch.manual_seed(0)
+    check_one_graph_against_reference(ChannelsLastConvs(), M.mse,
+                                      [(torch.randn(B, 3, 8, 8), torch.randn(B, 3)) for B in batches],
+                                      schedule=schedule)
 
 
 @pytest.mark.parametrize("schedule", ["bk", "ghost"])
@@ -536,8 +531,7 @@ def test_convolution_over_tokens_with_an_unbacked_batch(schedule, compiler):
     of it failed at run time (stock torch.compile with mark_unbacked too). One graph for batches of 3, 0 and 2,
     each exact against the oracle."""
     import models as M
-    from helpers import check_batches_against_reference, compile_step
-    from reference import dp_reference
+    from helpers import check_one_graph_against_reference
 
     torch.manual_seed(0)
     model = _token_conv_model()
@@ -628,12 +622,13 @@ def test_cpp_size_questions_of_an_unbacked_batch_are_answered_size_obliviously()
 
 def _attention_step(schedule, batches=(3, 1)):
     """torch.nn.MultiheadAttention (batch_first: it works on [T, B, E] inside, heads split by a view to
-    [T, B * heads, E / heads]) in a DP step with the batch unbacked, exact against the oracle for each batch."""
+    [T, B * heads, E / heads]) in a DP step with the batch unbacked: one graph for every batch (one compile: CI
+    time), each exact against the oracle, clipping active."""
     import torch
     import torch.nn as nn
 
     import models as M
-    from helpers import check_against_reference
+    from helpers import check_one_graph_against_reference
 
     class Attention(nn.Module):
         def __init__(self):
@@ -643,13 +638,10 @@ def _attention_step(schedule, batches=(3, 1)):
         def forward(self, x):
             return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
 
-    for B in batches:
-        torch.manual_seed(B)
-        x, y = torch.randn(B, 5, 8), torch.randn(B, 3)
-        dpcompile.mark_batch(x, y)
-        backend = check_against_reference(Attention(), M.mse, (x,), (y,), schedule=schedule)
-        (record,) = [r for r in backend.compiled if r.dp]
-        assert record.summary["batch_size"].startswith("u"), record.summary["batch_size"]
+    torch.manual_seed(0)
+    model = Attention()
+    check_one_graph_against_reference(model, M.mse, [(torch.randn(B, 5, 8), torch.randn(B, 3)) for B in batches],
+                                      schedule=schedule)
 
 
 @pytest.mark.parametrize("schedule", ["ghost"])

@@ -905,9 +905,14 @@ def test_affine_grid_of_an_unbacked_batch_traces_whole_with_eagers_gradient(devi
 
 def _compiled_matches_eager_for_unbacked_batches(loss, w, backend: str, device: str, batches=(3, 1, 0)) -> None:
     """loss(x) compiled whole (fullgraph) with x's batch unbacked: its value and its gradient for w are eager's,
-    for batches of 3, 1 and 0 samples of 4 features."""
+    for batches of 3, 1 and 0 samples of 4 features. Stock Inductor's CUDA launcher of a 2-D grid divides by a
+    y grid of 0 on an empty batch: dpcompile's guard (which its compiles install) installed here too, or the test
+    would depend on a DP compile having run before it in its worker (a ZeroDivisionError on the H100 otherwise)."""
     import torch
 
+    from dpcompile.compat import guard_empty_y_grid
+
+    guard_empty_y_grid()
     for n in batches:
         torch._dynamo.reset()
         x = torch.randn(n, 4, device=device)

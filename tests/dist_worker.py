@@ -537,7 +537,7 @@ def cross_entropy_mean(rank, world, init_file, out_dir):
     _finish()
 
 
-def dropout(rank, world, init_file, out_dir, runs=(("bk", "compile", "eager"), ("ghost", "private_step", "inductor"))):
+def dropout(rank, world, init_file, out_dir, runs):
     """models.DropoutLM sharded (test_dropout's model): per-rank batches SHARDED_STEPS, each step seeded per rank
     and step; every rank's gathered gradient against the replayed oracle (reference.replayed_per_sample_gradients
     on each rank's own batch and seed, the clipped sums added over the ranks). runs: (schedule, "compile" or

@@ -82,7 +82,8 @@ def _alternated_runs():
 # default tier runs them op by op (about 60 s of each rank's CI time), and Inductor's code for gpt's recomputed
 # ghost step sharded
 EXTENDED_INDUCTOR = (("gpt_tied", "ghost", "compile"), ("hf_gpt2", "ghost", "compile+recompute"))
-SHARDED_RUNS = _sharded_runs() + list(EXTENDED_INDUCTOR)
+_CASE_RUNS = _sharded_runs()
+SHARDED_RUNS = _CASE_RUNS + list(EXTENDED_INDUCTOR)
 
 
 def _extended_runs(runs):
@@ -105,7 +106,7 @@ def _extended_runs(runs):
     return moved | {r for r in runs if r[0] == "layer_kinds_ghost"}
 
 
-EXTENDED_RUNS = _extended_runs(_sharded_runs()) | set(EXTENDED_INDUCTOR)
+EXTENDED_RUNS = _extended_runs(_CASE_RUNS) | set(EXTENDED_INDUCTOR)
 # The runs share their ranks (ranks.SharedRanks): under pytest-xdist (--dist loadgroup) one process group for
 # each of these groups, each on its own worker; a plain run runs them all in one process group.
 # the layer kinds alone: each half's run, op by op, takes about 2 minutes of two CI cores.

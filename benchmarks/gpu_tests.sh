@@ -28,6 +28,9 @@ WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/dpcompile-site}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# every rank a fresh interpreter, as torchrun starts them (tests/ranks.py; CI forks them from one server to save
+# the imports): ranks with their own hash seeds and address layouts must still agree
+export DPCOMPILE_TEST_RANKS_START=${DPCOMPILE_TEST_RANKS_START:-spawn}
 
 missing=$(python3 - <<'PY'
 import importlib.util

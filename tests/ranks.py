@@ -1,5 +1,7 @@
 """Spawned gloo ranks for the multi-rank tests (their bodies: dist_worker.py)."""
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import tempfile
 import time
@@ -11,10 +13,44 @@ import dist_worker
 import tiers
 
 
-def spawn(fn, *args, world=2, timeout=420):
-    """Runs fn(rank, world, init_file, *args) on `world` spawned processes; fails if they do not finish."""
+# How the ranks start. "forkserver": each rank is forked from a server process (one per pytest process) that has
+# imported dist_worker, so torch, dpcompile and the test models, once (CI time: a spawned rank spent about 7 s of
+# CPU importing them, some 17 spawns of 2-4 ranks each). "spawn" (DPCOMPILE_TEST_RANKS_START=spawn): a fresh
+# interpreter per rank, as torchrun starts them: each with its own string hash seed and address layout, so a set
+# iterated in another order on one rank shows up as ranks that disagree. benchmarks/gpu_tests.sh runs the suite
+# that way; the NCCL tests and the compile cache's restarts (a restart is a new process) always spawn.
+START_METHOD = os.environ.get("DPCOMPILE_TEST_RANKS_START", "forkserver")
+if START_METHOD not in ("forkserver", "spawn"):
+    raise ValueError(f"DPCOMPILE_TEST_RANKS_START={START_METHOD!r}: use forkserver or spawn")
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+# the environment the test session started with (collection): the fork server keeps the one it starts with, and a
+# test's monkeypatched variables must not reach the ranks of every later test
+_SESSION_ENV = dict(os.environ)
+
+
+def _start_fork_server():
+    """The fork server (started unless it runs) with the session's environment; it imports dist_worker from
+    tests/ (multiprocessing passes it no sys.path: PYTHONPATH)."""
+    multiprocessing.set_forkserver_preload(["dist_worker"])
+    now = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(_SESSION_ENV)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, _SESSION_ENV.get("PYTHONPATH")) if p)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(now)
+
+
+def spawn(fn, *args, world=2, timeout=420, start_method=None):
+    """Runs fn(rank, world, init_file, *args) on `world` new processes (START_METHOD unless start_method says);
+    fails if they do not finish."""
+    method = start_method or START_METHOD
+    if method == "forkserver":
+        _start_fork_server()
     init = tempfile.mktemp(prefix="dpcompile_init_")
-    ctx = mp.start_processes(fn, args=(world, init, *args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(fn, args=(world, init, *args), nprocs=world, join=False, start_method=method)
     deadline = time.time() + timeout
     while not ctx.join(timeout=5):
         if time.time() > deadline:

@@ -160,7 +160,7 @@ def test_a_restart_of_a_sharded_or_tensor_parallel_step_hits_the_cache_on_every_
                      TORCHINDUCTOR_AUTOGRAD_CACHE="1").items():
         monkeypatch.setenv(k, v)
     for run in ("first", "again"):
-        spawn(dist_worker.restart, str(tmp_path), layout, schedule, run)
+        spawn(dist_worker.restart, str(tmp_path), layout, schedule, run, start_method="spawn")
     first, again = _read(tmp_path, prefix="first"), _read(tmp_path, prefix="again")
     if not cache_serves_sharded_steps():  # torch 2.11: such steps skip the cache; a restart compiles anew
         for rank in (0, 1):
@@ -182,6 +182,6 @@ def test_a_restart_of_a_sharded_or_tensor_parallel_step_hits_the_cache_on_every_
         import shutil
 
         shutil.rmtree(tmp_path / "cache" / "dpcompile_records")
-        spawn(dist_worker.restart, str(tmp_path), layout, schedule, "lost")
+        spawn(dist_worker.restart, str(tmp_path), layout, schedule, "lost", start_method="spawn")
         for rank, rep in enumerate(_read(tmp_path, prefix="lost")):
             assert rep["cache"] == ["miss"] and rep["grads"] == first[rank]["grads"], rank

@@ -447,7 +447,8 @@ def test_fully_shard_without_a_mesh_needs_a_process_group():
 def test_gpus_nccl_bf16_against_fp64_reference(world, case, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    spawn(dist_worker.correctness_nccl_bf16, str(tmp_path), case, world=world, timeout=900)
+    spawn(dist_worker.correctness_nccl_bf16, str(tmp_path), case, world=world, timeout=900,
+          start_method="spawn")
     worst = json.load(open(os.path.join(tmp_path, f"nccl_bf16_{world}_{case}.json")))
     assert set(worst) == {f"{case}-{s}" for s in ("bk", "ghost")}
     assert max(worst.values()) < 1, worst  # each: the worst error over its bound (correctness_nccl_bf16)

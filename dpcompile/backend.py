@@ -36,6 +36,7 @@ from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, 
 from dpcompile.bilinear import COUNTER as BILINEAR_COUNTER
 from dpcompile.bilinear import bilinear_as_matmul
 from dpcompile.bucketing import cpp_wrapper_patches
+from dpcompile import gathered_copy_out
 from dpcompile.config import DPConfig
 from dpcompile.embedding_bag import COUNTER as EMBEDDING_BAG_COUNTER
 from dpcompile.embedding_bag import embedding_bags_as_embeddings
@@ -678,14 +679,22 @@ class DPBackend:
                 f"fall back to eager execution, which would produce non-private gradients.{_hint(gm, e)}"
             ) from e
 
-    def _codegen_patches(self, *, collectives: bool) -> dict:
+    def _codegen_patches(self, *, collectives: bool, record: CompiledStep) -> dict:
         """Inductor settings of the code it generates that the options choose (cpp_wrapper only when asked for:
         a global ``torch._inductor.config.cpp_wrapper = True`` stays in force otherwise). ``collectives``: the
-        step has in-graph collectives (sharded or tensor parallel), which the C++ wrapper runs unbucketed."""
+        step has in-graph collectives (sharded or tensor parallel), which the C++ wrapper runs unbucketed, and
+        whose bucketed all-gathers hand their parameters on copied out (``dpcompile.gathered_copy_out``)."""
         cpp = {"cpp_wrapper": True} if self.config.cpp_wrapper else {}
         if self.config.cpp_wrapper or torch._inductor.config.cpp_wrapper:
             cpp.update(cpp_wrapper_patches(collectives=collectives))
-        return {"triton.cudagraphs": self.config.cudagraphs, **cpp}
+        copy_out = {}
+        if collectives and cpp.get("bucket_all_gathers_fx", "all") != "none":
+            def count(n: int) -> None:
+                key = gathered_copy_out.COUNTER
+                record.counters[key] = record.counters.get(key, 0) + n
+
+            copy_out = gathered_copy_out.patches(count=count)
+        return {"triton.cudagraphs": self.config.cudagraphs, **cpp, **copy_out}
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
                     tp: TPMesh | None, aot_cache: bool, inner: dict, unbacked: bool, codegen: dict,
@@ -765,7 +774,7 @@ class DPBackend:
         inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
         distributed = any(gi.sharded or gi.tp for gi in inputs)  # collectives in the graphs
-        codegen = self._codegen_patches(collectives=distributed)
+        codegen = self._codegen_patches(collectives=distributed, record=record)
         if not any(gi.kind == "param" for gi in inputs) or not torch.is_grad_enabled():
             record.dp = False
             refuse_gradients_passed_out(gm, inputs, example_inputs)

@@ -136,6 +136,7 @@ RANKS = SharedRanks("ranks", {
     "bucketed_gpt_bk_16": (0, "correctness", dict(case="gpt", schedule="bk", sizes=[3, 2], reshard_after_forward=True,
                                                   bucket_mb=16)),
     "noise": (0, "noise", dict(seed=123)),
+    "gathered_kernels": (0, "gathered_kernels", {}),
     # the noisy steps op by op (CI time): what sharding on the last dim changes is which coordinates each rank
     # draws, dpcompile's offsets in the graph; Inductor's code for the draw: the "noise" job
     "noise_last_dim": (1, "noise", dict(seed=123, last_dim=True, compiler="eager")),
@@ -274,6 +275,20 @@ def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, shared_ranks
         gathers = issued["all_gather_into_tensor"] + issued["all_gather_into_tensor_out"]
         assert 0 < gathers < n / 4, issued
         assert rep["summary_collectives"]["backward_before_clip"].get("reduce_scatters", 0) == 0
+
+
+@_ranks("gathered_kernels")
+def test_blocks_share_kernels_reading_gathered_parameters(shared_ranks):
+    """A bucketed all-gather's parameters are copied out of the bucket by one op per bucket
+    (dpcompile.gathered_copy_out), so the kernels reading a gathered parameter do not carry its offset in the
+    bucket and every block shares them: a third GPT block adds no kernel to the forward (10 per block read
+    their parameters out of the bucket before) and at most 2 to the backward, those Inductor fuses across
+    two blocks."""
+    for rep in _read(shared_ranks(RANKS, "gathered_kernels")):
+        two, three = rep["2"], rep["3"]
+        assert two["copied_out"] == three["copied_out"] == 2, rep  # the forward's bucket, the backward's
+        assert three["kernels"][0] == two["kernels"][0], rep
+        assert three["kernels"][1] - two["kernels"][1] <= 2, rep
 
 
 @_ranks("reshard_false")

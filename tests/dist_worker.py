@@ -229,37 +229,21 @@ def _correct(mesh, rank, world, case, schedule, sizes, reshard_after_forward=Tru
 
 
 def gathered_kernels(rank, world, init_file, out_dir, copy_out=True):
-    """The distinct kernels of the forward and of the backward that Inductor generates for a bucketed sharded bk
-    step of GPT with 2 and with 3 blocks (compiled afresh: no FX graph cache), and how many buckets were
-    copied out. ``copy_out=False`` switches the copy-out off (to see what the test's counts are without it)."""
+    """Which kernels Inductor generates for the forward and the backward of a bucketed sharded bk step of a
+    2-block GPT (compiled afresh: no FX graph cache): per graph, the number of distinct kernels and the
+    launches of each kernel fusing a GELU (one per block); and how many buckets were copied out.
+    ``copy_out=False`` switches the copy-out off (to see what the test's counts are without it)."""
+    import re
+
     from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
 
     from dpcompile import gathered_copy_out
 
     mesh = _init(rank, world, init_file)
     inductor_config.fx_graph_cache = False
-    pattern = r"^(\w+) = async_compile\.\w+\("  # a kernel's definition in Inductor's code
-    report = {}
-    with _restoring([(gathered_copy_out, "patches")]):
-        if not copy_out:
-            gathered_copy_out.patches = lambda count: {}
-        for n_layer in (2, 3):
-            report[n_layer] = _gathered_kernels(mesh, rank, n_layer, pattern)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    _finish()
-
-
-def _gathered_kernels(mesh, rank, n_layer, pattern):
-    import re
-
-    from torch._inductor.utils import run_and_get_code
-
-    from dpcompile import gathered_copy_out
-
-    torch._dynamo.reset()
     torch.manual_seed(0)
-    model = shard(M.GPT(d=8, n_head=2, n_layer=n_layer), mesh)
+    model = shard(M.GPT(d=8, n_head=2, n_layer=2), mesh)
     backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, schedule="bk")
 
     def step(ids):
@@ -268,10 +252,21 @@ def _gathered_kernels(mesh, rank, n_layer, pattern):
         return loss.detach()
 
     ids = torch.randint(0, 13, (2, 6), generator=torch.Generator().manual_seed(rank))
-    _, codes = run_and_get_code(torch.compile(step, backend=backend), ids)  # the forward's, the backward's
+    with _restoring([(gathered_copy_out, "patches")]):
+        if not copy_out:
+            gathered_copy_out.patches = lambda count: {}
+        _, codes = run_and_get_code(torch.compile(step, backend=backend), ids)  # the forward's, the backward's
     rec = [r for r in backend.compiled if r.dp][0]
-    return {"kernels": [len(set(re.findall(pattern, code, re.M))) for code in codes],
-            "copied_out": rec.counters.get(gathered_copy_out.COUNTER, 0)}
+    report = {"copied_out": rec.counters.get(gathered_copy_out.COUNTER, 0), "graphs": []}
+    for code in codes:
+        defined = set(re.findall(r"^(\w+) = async_compile\.\w+\(", code, re.M))  # a kernel's definition
+        launches = re.findall(r"^\s+(\w+)\(", code, re.M)  # (C++ kernels are called; Triton's .run)
+        launches += re.findall(r"^\s+(\w+)\.run\(", code, re.M)
+        gelu = {k: launches.count(k) for k in defined if "gelu" in k}
+        report["graphs"].append({"kernels": len(defined), "gelu": gelu})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    _finish()
 
 
 def hybrid(rank, world, init_file, out_dir):

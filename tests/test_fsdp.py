@@ -280,15 +280,14 @@ def test_bucketed_collectives_stay_exact(case, schedule, bucket_mb, shared_ranks
 @_ranks("gathered_kernels")
 def test_blocks_share_kernels_reading_gathered_parameters(shared_ranks):
     """A bucketed all-gather's parameters are copied out of the bucket by one op per bucket
-    (dpcompile.gathered_copy_out), so the kernels reading a gathered parameter do not carry its offset in the
-    bucket and every block shares them: a third GPT block adds no kernel to the forward (10 per block read
-    their parameters out of the bucket before) and at most 2 to the backward, those Inductor fuses across
-    two blocks."""
+    (dpcompile.gathered_copy_out), so a kernel reading a gathered parameter does not carry the parameter's
+    offset in the bucket, and the blocks share it: a 2-block GPT's forward and backward each launch one GELU
+    kernel twice, where without the copy-out each block had a GELU kernel of its own (forward 11 distinct
+    kernels instead of 6, backward 21 instead of 17)."""
     for rep in _read(shared_ranks(RANKS, "gathered_kernels")):
-        two, three = rep["2"], rep["3"]
-        assert two["copied_out"] == three["copied_out"] == 2, rep  # the forward's bucket, the backward's
-        assert three["kernels"][0] == two["kernels"][0], rep
-        assert three["kernels"][1] - two["kernels"][1] <= 2, rep
+        assert rep["copied_out"] == 2, rep  # the forward's bucket, the backward's
+        for graph in rep["graphs"]:
+            assert list(graph["gelu"].values()) == [2], rep
 
 
 @_ranks("reshard_false")

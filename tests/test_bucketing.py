@@ -88,3 +88,19 @@ def test_cpp_wrapper_compiles_collectives_unbucketed_or_refuses(monkeypatch, cap
     with config.patch({**_UNSET, "bucket_reduce_scatters_fx": "fsdp"}):  # set by hand: the user's choice
         with pytest.raises(DPCompileError, match="cpp_wrapper=True with bucketed collectives"):
             bucketing.cpp_wrapper_patches(collectives=True)
+
+
+def test_split_gathered_copies_each_parameters_columns_out():
+    """dpcompile::split_gathered (the copy-out of a bucketed all-gather, dpcompile.gathered_copy_out): per size
+    n a new contiguous [world * n] holding its part's columns rank by rank, as the bucket's view did; its fake
+    kernel and schema pass torch.library.opcheck."""
+    import torch
+
+    from dpcompile.gathered_copy_out import split_gathered
+
+    bucket = torch.arange(2 * 10, dtype=torch.float32).view(2, 10)
+    parts = split_gathered(bucket, [4, 1, 5])
+    for part, (lo, hi) in zip(parts, [(0, 4), (4, 5), (5, 10)]):
+        assert part.is_contiguous() and part.data_ptr() != bucket.data_ptr()
+        torch.testing.assert_close(part, bucket[:, lo:hi].reshape(-1), rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.dpcompile.split_gathered.default, (bucket, [4, 1, 5]))

@@ -538,3 +538,28 @@ def test_cuda_precompiled_table_kernel_is_the_one_launched():
     assert len(cache) == before + 1
     alone = torch.cat([gram_sq_norms.launch(a, g) for a, g in pairs], 1)
     torch.testing.assert_close(out, alone, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_split_gathered_through_inductor(dtype):
+    """dpcompile::split_gathered (a bucketed all-gather's copy-out, dpcompile.gathered_copy_out) on CUDA, eager and
+    as an extern call in Inductor's code between Triton kernels that write the bucket and read the copies: each
+    copy holds its part's columns rank by rank. (Sharded steps need 2 GPUs for NCCL; CI's gloo ranks run it on CPU.)"""
+    from torch._inductor.utils import run_and_get_code
+
+    bucket = torch.randn(2, 12, device="cuda", dtype=dtype)
+    sizes = [6, 2, 4]
+
+    def f(b):
+        w, bias, rest = torch.ops.dpcompile.split_gathered(b * 2, sizes)
+        return w.view(3, 4).relu(), bias + 1, rest.view(2, 4) * 3
+
+    want = [t.float() for t in f(bucket)]
+    got, codes = run_and_get_code(torch.compile(f, fullgraph=True), bucket)
+    assert any("dpcompile.split_gathered" in c for c in codes)
+    doubled = (bucket * 2).float()
+    cols = [doubled[:, 0:6].reshape(3, 4).relu(), doubled[:, 6:8].reshape(-1) + 1, doubled[:, 8:12].reshape(2, 4) * 3]
+    for g, w, c in zip(got, want, cols):
+        torch.testing.assert_close(g.float(), w, rtol=0, atol=0)
+        torch.testing.assert_close(g.float(), c, rtol=1e-2 if dtype == torch.bfloat16 else 0,
+                                   atol=1e-2 if dtype == torch.bfloat16 else 0)

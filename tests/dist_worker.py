@@ -228,10 +228,25 @@ def _correct(mesh, rank, world, case, schedule, sizes, reshard_after_forward=Tru
             "model": model, "step": (step, local, C, ebs)}
 
 
+class _GeluBlocks(torch.nn.Module):
+    """Two residual blocks, Linear -> GELU -> Linear: the first bias is read by the GELU's kernel."""
+
+    def __init__(self, d=8, n_block=2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+            for _ in range(n_block))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
 def gathered_kernels(rank, world, init_file, out_dir, copy_out=True):
-    """Which kernels Inductor generates for the forward and the backward of a bucketed sharded bk step of a
-    2-block GPT (compiled afresh: no FX graph cache): per graph, the number of distinct kernels and the
-    launches of each kernel fusing a GELU (one per block); and how many buckets were copied out.
+    """Which kernels Inductor generates for the forward and the backward of a bucketed sharded bk step of two
+    Linear-GELU-Linear blocks (compiled afresh: no FX graph cache): per graph, the number of distinct kernels and
+    the launches of each kernel fusing a GELU (one per block); and how many buckets were copied out.
     ``copy_out=False`` switches the copy-out off (to see what the test's counts are without it)."""
     import re
 
@@ -243,19 +258,20 @@ def gathered_kernels(rank, world, init_file, out_dir, copy_out=True):
     mesh = _init(rank, world, init_file)
     inductor_config.fx_graph_cache = False
     torch.manual_seed(0)
-    model = shard(M.GPT(d=8, n_head=2, n_layer=2), mesh)
+    model = shard(_GeluBlocks(), mesh)
     backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, schedule="bk")
 
-    def step(ids):
-        loss = M.seq_ce(model(ids), ids).mean()
+    def step(x, y):
+        loss = M.mse(model(x), y).mean()
         loss.backward()
         return loss.detach()
 
-    ids = torch.randint(0, 13, (2, 6), generator=torch.Generator().manual_seed(rank))
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
     with _restoring([(gathered_copy_out, "patches")]):
         if not copy_out:
             gathered_copy_out.patches = lambda count: {}
-        _, codes = run_and_get_code(torch.compile(step, backend=backend), ids)  # the forward's, the backward's
+        _, codes = run_and_get_code(torch.compile(step, backend=backend), x, y)  # the forward's, the backward's
     rec = [r for r in backend.compiled if r.dp][0]
     report = {"copied_out": rec.counters.get(gathered_copy_out.COUNTER, 0), "graphs": []}
     for code in codes:
@@ -263,7 +279,7 @@ def gathered_kernels(rank, world, init_file, out_dir, copy_out=True):
         launches = re.findall(r"^\s+(\w+)\(", code, re.M)  # (C++ kernels are called; Triton's .run)
         launches += re.findall(r"^\s+(\w+)\.run\(", code, re.M)
         gelu = {k: launches.count(k) for k in defined if "gelu" in k}
-        report["graphs"].append({"kernels": len(defined), "gelu": gelu})
+        report["graphs"].append({"kernels": len(defined), "gelu": gelu, "backward": "gelu_backward" in code})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     _finish()

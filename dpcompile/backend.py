@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 import os
 import re
@@ -95,6 +96,11 @@ class CompiledStep:
     # tensor parallel: seed index -> noise stream, chosen by the partitioner from the gradients' placements
     # (NoiseSeeds.index_ranks); kept so that a cache hit, which runs no partitioner, draws the same noise
     noise_index_ranks: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def count(self, key: str, n: int) -> None:
+        """Adds n to counter key (a rewrite that reports from inside Inductor's compile: the partitioner may
+        have replaced ``counters`` by then)."""
+        self.counters[key] = self.counters.get(key, 0) + n
 
     def norm_all_reduce_window(self) -> tuple[tuple[str, tuple], list[tuple[str, tuple]]] | None:
         """Tensor parallel: the per-sample norm all-reduce as (op, shape) and the backward ops between its
@@ -688,12 +694,8 @@ class DPBackend:
         if self.config.cpp_wrapper or torch._inductor.config.cpp_wrapper:
             cpp.update(cpp_wrapper_patches(collectives=collectives))
         copy_out = {}
-        if collectives and cpp.get("bucket_all_gathers_fx", "all") != "none":
-            def count(n: int) -> None:
-                key = gathered_copy_out.COUNTER
-                record.counters[key] = record.counters.get(key, 0) + n
-
-            copy_out = gathered_copy_out.patches(count=count)
+        if collectives and cpp.get("bucket_all_gathers_fx") != "none":  # (the C++ wrapper's patches may unbucket)
+            copy_out = gathered_copy_out.patches(count=functools.partial(record.count, gathered_copy_out.COUNTER))
         return {"triton.cudagraphs": self.config.cudagraphs, **cpp, **copy_out}
 
     def _compile_fx(self, gm: fx.GraphModule, inputs: list, part: "DPPartitioner", record: CompiledStep,
@@ -701,9 +703,7 @@ class DPBackend:
                     one_sample: bool) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        def not_donated(n: int) -> None:
-            record.counters["saved_aliases_not_donated"] = record.counters.get("saved_aliases_not_donated", 0) + n
-
+        not_donated = functools.partial(record.count, "saved_aliases_not_donated")
         with torch._functorch.config.patch(enable_autograd_cache=aot_cache), no_aliased_donations(not_donated):
             # TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the environment forces the cache on whatever the patch says:
             # then a compile it must not serve gets a key no entry has (Inductor's FX graph cache, keyed by

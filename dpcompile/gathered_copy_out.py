@@ -35,18 +35,21 @@ _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor_out.default,
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
+def _parts(gathered: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """split_gathered's outputs, empty: per size n a contiguous [world * n]."""
+    return [gathered.new_empty(gathered.shape[0] * n) for n in sizes]
+
+
 @torch.library.custom_op("dpcompile::split_gathered", mutates_args=())
 def split_gathered(gathered: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     """gathered [world, sum(sizes)] -> per size n a new contiguous [world * n]: the columns of its part."""
+    outs = _parts(gathered, sizes)
     world = gathered.shape[0]
-    outs = [gathered.new_empty(world * n) for n in sizes]
     torch.split_with_sizes_copy(gathered, sizes, dim=1, out=[o.view(world, n) for o, n in zip(outs, sizes)])
     return outs
 
 
-@split_gathered.register_fake
-def _(gathered, sizes):
-    return [gathered.new_empty(gathered.shape[0] * n) for n in sizes]
+split_gathered.register_fake(_parts)
 
 
 def _gathered_bucket(split: fx.Node) -> bool:
@@ -89,11 +92,10 @@ def split_gathered_pass(gm: fx.GraphModule) -> int:
         if finals is None:
             continue
         src = split.args[0]
-        world = src.meta["val"].shape[0]
         with g.inserting_after(split):
             outs = g.call_function(torch.ops.dpcompile.split_gathered.default, (src, sizes))
             outs.meta.update(split.meta)
-            outs.meta["val"] = [src.meta["val"].new_empty(world * n) for n in sizes]
+            outs.meta["val"] = _parts(src.meta["val"], sizes)
         anchor = outs
         for i, final in enumerate(finals):
             with g.inserting_after(anchor):

@@ -16,6 +16,15 @@ then measures a second process start on it (the restart of a job).
     python benchmarks/compile_time.py                       # GPU: gpt:32x256; CPU: gpt:2x32
     python benchmarks/compile_time.py --shape llama:2x1024 --modes nonprivate,bk --cache warm --out ct.json
     python benchmarks/compile_time.py --inductor max_fusion_buffer_group_pairwise_attempts=16   # an Inductor setting
+    python benchmarks/compile_time.py --fake-ranks 2 --dtype fp32   # sharded: rank 0 of 2, on one GPU
+
+``--fake-ranks N`` compiles the step sharded with ``dpcompile.fully_shard`` (fully_shard's default bucketing) as
+rank 0 of an N-rank world, in one process on one device, on torch's fake process group: its collectives return
+at once and move nothing. The graphs, passes, bucketing and kernels are those of rank 0 of a real N-rank job, so
+the compile time is what such a rank spends compiling, less its waits for the other ranks (a real job's
+autotuning also waits inside its synchronisations for the other rank's collectives). The step time is rank 0's
+computation without communication, and its values are not a real step's (the gathers leave their buffers
+unwritten). It lets one GPU measure the sharded compile.
 
 ``--inductor KEY=VALUE`` (repeatable) sets ``torch._inductor.config.KEY`` in every run (VALUE read as a Python
 literal), for both modes alike. Each row also gives the kernels Inductor generated (``metrics.generated_kernel_count``).
@@ -34,7 +43,7 @@ import time
 import anchors
 
 
-def child(mode: str, shape: str) -> dict:
+def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_passes: list[str]) -> dict:
     import ast
 
     import torch
@@ -49,8 +58,20 @@ def child(mode: str, shape: str) -> dict:
 
     model_name, B, T = anchors.parse_shape(shape)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    spec = dict(model=model_name, B=B, T=T, mode=mode, dtype="bf16" if device.type == "cuda" else "fp32",
-                tiny=False, shard=False, llama_tied=False)
+    if fake_ranks:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("fake", rank=0, world_size=fake_ranks, store=FakeStore())
+        os.environ["WORLD_SIZE"] = str(fake_ranks)  # anchors.torch_step's expected batch: B per rank
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls for fp32, as anchors.py's rows
+    spec = dict(model=model_name, B=B, T=T, mode=mode, dtype=dtype or ("bf16" if device.type == "cuda" else "fp32"),
+                tiny=False, shard=bool(fake_ranks), llama_tied=False)
+    if disable_passes and anchors.MODES[mode][0] == "dpcompile":
+        spec["dp_options"] = {"disable_passes": tuple(disable_passes)}
     with device:
         model = anchors.build_model(spec)
     ids = torch.randint(0, anchors.MODEL_DIMS[model_name]["vocab"], (B, T + 1),
@@ -75,20 +96,22 @@ def child(mode: str, shape: str) -> dict:
             steps.append(time.perf_counter() - t)
     from torch._dynamo.utils import counters
 
+    records = [r for r in getattr(getattr(step.compiled, "dp_backend", None), "compiled", ()) if r.dp]
     return {"mode": mode, "first_call_s": first, "step_ms": statistics.median(steps) * 1e3,
-            "kernels": metrics.generated_kernel_count,
+            "kernels": metrics.generated_kernel_count, "dtype": spec["dtype"], "fake_ranks": fake_ranks,
+            "gathered_buckets_copied_out": sum(r.counters.get("gathered_buckets_copied_out", 0) for r in records),
             "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
                                    if k.startswith("autograd_cache")},
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 
-def run(mode: str, shape: str, cache: str | None) -> dict:
+def run(mode: str, shape: str, cache: str | None, extra: list[str]) -> dict:
     env = dict(os.environ)
     cache = cache or tempfile.mkdtemp(prefix="dpc-ct-")
     env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--shape", shape],
+    out = subprocess.run([sys.executable, __file__, "--child", mode, "--shape", shape, *extra],
                          env=env, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -105,15 +128,29 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="a torch._inductor.config setting for every run (repeatable)")
+    p.add_argument("--fake-ranks", type=int, default=0, metavar="N",
+                   help="compile the step sharded, as rank 0 of N ranks on torch's fake process group (see above)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 autocast on a GPU, fp32 on CPU")
+    p.add_argument("--disable-passes", default="", metavar="NAMES",
+                   help="comma-separated dpcompile passes the DP modes skip (the option disable_passes)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.inductor:
         if any("=" not in x or ";" in x for x in a.inductor):
             raise SystemExit("--inductor takes KEY=VALUE (no ';')")
         os.environ["DPC_CT_INDUCTOR"] = ";".join(a.inductor)
+    if a.fake_ranks == 1 or a.fake_ranks < 0:
+        raise SystemExit("--fake-ranks takes 2 or more (a one-rank mesh compiles no bucketed collectives)")
     if a.child:
-        print(json.dumps(child(a.child, a.shape)))
+        print(json.dumps(child(a.child, a.shape, fake_ranks=a.fake_ranks, dtype=a.dtype,
+                               disable_passes=list(filter(None, a.disable_passes.split(","))))))
         return
+    sys.path.insert(0, anchors.ROOT)  # dpcompile and its passes from this checkout, as the children import them
+    from passes import check_disable_passes
+
+    check_disable_passes(filter(None, a.disable_passes.split(",")))  # a bad name fails here, not in every child
+    extra = (["--fake-ranks", str(a.fake_ranks)] if a.fake_ranks else []) + (["--dtype", a.dtype] if a.dtype else []) \
+        + (["--disable-passes", a.disable_passes] if a.disable_passes else [])
     import torch
 
     shape = a.shape or ("gpt:32x256" if torch.cuda.is_available() else "gpt:2x32")
@@ -127,16 +164,19 @@ def main() -> None:
                              f"their :cg forms)")
     caches = {m: tempfile.mkdtemp(prefix=f"dpc-ct-{m}-") for m in modes} if a.cache == "warm" else {}
     for m in caches:  # the first process start fills the mode's caches
-        run(m, shape, caches[m])
+        run(m, shape, caches[m], extra)
     rows = []
     for r in range(a.repeats):
         for m in modes:
-            row = run(m, shape, caches.get(m))
+            row = run(m, shape, caches.get(m), extra)
             row["repeat"] = r
             rows.append(row)
             print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms   "
-                  f"kernels {row['kernels']}   AOTAutograd cache {row['aot_autograd_cache']}", flush=True)
-    print(f"\n{a.cache} caches, {shape}, {rows[0]['device']}, torch {rows[0]['torch']}"
+                  f"kernels {row['kernels']}   copied-out buckets {row['gathered_buckets_copied_out']}   "
+                  f"AOTAutograd cache {row['aot_autograd_cache']}", flush=True)
+    print(f"\n{a.cache} caches, {shape}, {rows[0]['dtype']}, {rows[0]['device']}, torch {rows[0]['torch']}"
+          + (f", rank 0 of {a.fake_ranks} (fake process group)" if a.fake_ranks else "")
+          + (f", DP modes without {a.disable_passes}" if a.disable_passes else "")
           + (f", inductor {'; '.join(a.inductor)}" if a.inductor else ""))
     base = statistics.mean(r["first_call_s"] for r in rows if r["mode"] == "nonprivate") if "nonprivate" in modes else None
     for m in modes:
@@ -145,7 +185,8 @@ def main() -> None:
         print(f"{m:12s} first call {', '.join(f'{x:.1f}' for x in firsts)} s  {ratio}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"command": sys.argv, "cache": a.cache, "shape": shape, "inductor": a.inductor, "rows": rows},
+            json.dump({"command": sys.argv, "cache": a.cache, "shape": shape, "inductor": a.inductor,
+                       "fake_ranks": a.fake_ranks, "disable_passes": a.disable_passes, "rows": rows},
                       f, indent=1)
 
 

@@ -97,17 +97,25 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
 )
 
 
+# rewrites that run inside Inductor's compile, as its post-grad custom pass (dpcompile.backend's codegen
+# patches): not FX passes of the lists above, but optional and disabled by name the same way
+INDUCTOR_PASS_NAMES: tuple[str, ...] = ("gathered_copy_out",)
+
+
 def check_disable_passes(names) -> None:
     by_name = {p.name: p for p in PASSES + BACKWARD_PASSES}
+    optional = [p.name for p in PASSES + BACKWARD_PASSES if p.optional] + list(INDUCTOR_PASS_NAMES)
     for n in names:
+        if n in INDUCTOR_PASS_NAMES:
+            continue
         if n not in by_name:
             raise ValueError(f"disable_passes: unknown pass {n!r}; passes are "
-                             f"{[p.name for p in PASSES + BACKWARD_PASSES]}")
+                             f"{[p.name for p in PASSES + BACKWARD_PASSES] + list(INDUCTOR_PASS_NAMES)}")
         if not by_name[n].optional:
             raise ValueError(
                 f"disable_passes: pass {n!r} computes part of the DP gradient and cannot be disabled; "
-                f"optional passes: {[p.name for p in PASSES + BACKWARD_PASSES if p.optional]}"
+                f"optional passes: {optional}"
             )
 
 
-__all__ = ["PASSES", "BACKWARD_PASSES", "Pass", "DPPassContext", "ParamInfo", "PassOptions", "check_disable_passes"]
+__all__ = ["PASSES", "BACKWARD_PASSES", "INDUCTOR_PASS_NAMES", "Pass", "DPPassContext", "ParamInfo", "PassOptions", "check_disable_passes"]

@@ -104,3 +104,27 @@ def test_split_gathered_copies_each_parameters_columns_out():
         assert part.is_contiguous() and part.data_ptr() != bucket.data_ptr()
         torch.testing.assert_close(part, bucket[:, lo:hi].reshape(-1), rtol=0, atol=0)
     torch.library.opcheck(torch.ops.dpcompile.split_gathered.default, (bucket, [4, 1, 5]))
+
+
+def test_copy_out_is_patched_in_for_bucketed_collectives_unless_disabled():
+    """The backend hands Inductor the copy-out as its post-grad custom pass for a graph with collectives when
+    all-gathers are bucketed; not without collectives, not unbucketed, not with disable_passes naming it."""
+    from dpcompile.backend import CompiledStep, DPBackend
+    from dpcompile.config import DPConfig
+
+    def patches(collectives, **options):
+        backend = DPBackend(DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, **options))
+        return backend._codegen_patches(collectives=collectives, record=CompiledStep(compile_id="0", inputs=[]))
+
+    try:
+        dpcompile.bucket_collectives(16)
+        assert patches(True)["post_grad_custom_post_pass"] is not None
+        assert patches(True)["bucket_all_gathers_fx"] == "none"  # the pass buckets them itself
+        assert "post_grad_custom_post_pass" not in patches(False)
+        assert "post_grad_custom_post_pass" not in patches(True, disable_passes=("gathered_copy_out",))
+        dpcompile.bucket_collectives(None)
+        assert "post_grad_custom_post_pass" not in patches(True)
+    finally:
+        dpcompile.bucket_collectives(None)
+    with pytest.raises(ValueError, match="gathered_copy_out"):  # named among the optional passes
+        DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, disable_passes=("per_sample_norms",))

@@ -118,4 +118,5 @@ def check_disable_passes(names) -> None:
             )
 
 
-__all__ = ["PASSES", "BACKWARD_PASSES", "INDUCTOR_PASS_NAMES", "Pass", "DPPassContext", "ParamInfo", "PassOptions", "check_disable_passes"]
+__all__ = ["PASSES", "BACKWARD_PASSES", "INDUCTOR_PASS_NAMES", "Pass", "DPPassContext", "ParamInfo", "PassOptions",
+           "check_disable_passes"]

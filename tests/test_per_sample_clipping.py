@@ -22,10 +22,12 @@ from tiers import extended
 MATCH_RUNS = [(case, schedule, ("inductor", "eager")[(i + k) % 2])
               for i, case in enumerate(sorted(CASES)) for k, schedule in enumerate(("bk", "ghost"))]
 # The costliest compiles through Inductor (CI time, on CI's fresh kernel cache: recurrent's 111 s, reparametrised's
-# 81 s, vision_blocks' 47 s): the extended tier (tests/tiers.py); the default tier runs that schedule op by op with
-# the batch the Inductor run takes ("eager_standin": unbacked for the layer kinds). vision_blocks' convolutions go
-# through Inductor in conv_kinds and convnet_channels_last here and in test_convolution's bk runs
-INDUCTOR_EXTENDED = ("recurrent", "reparametrised", "vision_blocks")
+# 81 s, vision_blocks' 47 s, sorted_experts' 44 s): the extended tier (tests/tiers.py); the default tier runs that
+# schedule op by op with the batch the Inductor run takes ("eager_standin": unbacked for the layer kinds).
+# vision_blocks' convolutions go through Inductor in conv_kinds and convnet_channels_last here and in
+# test_convolution's bk runs; sorted_experts' grouped matmuls in test_sorted_experts' ghost runs (a batch of one,
+# an unbacked batch)
+INDUCTOR_EXTENDED = ("recurrent", "reparametrised", "vision_blocks", "sorted_experts")
 _MATCH_PARAMS = [p for case, schedule, compiler in MATCH_RUNS for p in (
     [pytest.param(case, schedule, compiler, marks=extended), (case, schedule, "eager_standin")]
     if compiler == "inductor" and case in INDUCTOR_EXTENDED else [(case, schedule, compiler)])]

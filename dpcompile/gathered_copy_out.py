@@ -66,7 +66,9 @@ def _gathered_bucket(split: fx.Node) -> bool:
 
 def _parameter_views(split: fx.Node, count: int) -> list[fx.Node] | None:
     """The node giving each part as its parameter (getitem -> [clone] -> view), in order; None if any part
-    is read otherwise."""
+    is read otherwise. Without the clone the view reads the bucket in place, strided: where the parameter's
+    dim 0 is the world size (a [2, d] table or a 2-class head at 2 ranks), its [world, n] part is already
+    that shape. Its copy is contiguous instead, the same values."""
     finals: list[fx.Node | None] = [None] * count
     for item in split.users:
         if item.target is not operator.getitem or len(item.users) != 1:
@@ -74,7 +76,7 @@ def _parameter_views(split: fx.Node, count: int) -> list[fx.Node] | None:
         node = next(iter(item.users))
         if node.target is aten.clone.default and len(node.users) == 1:
             node = next(iter(node.users))
-        if node.target not in _VIEWS or not node.meta["val"].is_contiguous():
+        if node.target not in _VIEWS:
             return None
         finals[item.args[1]] = node
     return None if any(f is None for f in finals) else finals
@@ -103,8 +105,10 @@ def split_gathered_pass(gm: fx.GraphModule) -> int:
                 part.meta.update(final.meta)
                 part.meta["val"] = outs.meta["val"][i]
             with g.inserting_after(part):
-                shaped = g.call_function(aten.view.default, (part, list(final.meta["val"].shape)))
+                shape = list(final.meta["val"].shape)
+                shaped = g.call_function(aten.view.default, (part, shape))
                 shaped.meta.update(final.meta)
+                shaped.meta["val"] = part.meta["val"].view(shape)  # contiguous (a strided view's was not)
             anchor = shaped
             final.replace_all_uses_with(shaped)
         for final in finals:  # the old chains, users first: each node's only user is the next

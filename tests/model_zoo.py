@@ -1002,7 +1002,10 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
                 for k in sorted(ref):
                     dist.all_reduce(ref[k])
             _compare(model, ref, f"per-rank batches {split}", full=lambda g: g.full_tensor())
-        result = ("PASS", f"per-rank batches {cuts}, then {empty_last}")
+        # (fully_shard's default bucketing: its all-gathers' parameters copied out, dpcompile.gathered_copy_out)
+        copied = sum(r.counters.get("gathered_buckets_copied_out", 0) for r in private.dp_backend.compiled if r.dp)
+        result = ("PASS", f"per-rank batches {cuts}, then {empty_last}"
+                  + (f"; {copied} gathered buckets copied out" if copied else ""))
     except ImportError as exc:
         result = ("SKIP", f"{type(exc).__name__}: {exc}")
     except _Broken as exc:

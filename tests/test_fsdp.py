@@ -283,9 +283,10 @@ def test_blocks_share_kernels_reading_gathered_parameters(shared_ranks):
     (dpcompile.gathered_copy_out), so a kernel reading a gathered parameter does not carry the parameter's
     offset in the bucket, and the blocks share it: the forward of two Linear-GELU-Linear blocks launches one
     GELU kernel (which reads the first bias) twice, where without the copy-out each block had one of its own
-    (6 distinct forward kernels instead of 4)."""
+    (6 distinct forward kernels instead of 4). Every bucket is copied out, also one holding a parameter the
+    bucketing handed on as a strided view of the bucket (a [2, d] parameter at 2 ranks)."""
     for rep in _read(shared_ranks(RANKS, "gathered_kernels")):
-        assert rep["copied_out"] == 2, rep  # the forward's bucket, the backward's
+        assert rep["copied_out"] == rep["buckets"] == 2, rep  # the forward's bucket, the backward's
         (forward,) = [g for g in rep["graphs"] if not g["backward"]]
         assert list(forward["gelu"].values()) == [2], rep
 

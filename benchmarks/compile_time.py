@@ -96,10 +96,12 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
             steps.append(time.perf_counter() - t)
     from torch._dynamo.utils import counters
 
+    from dpcompile import gathered_copy_out
+
     records = [r for r in getattr(getattr(step.compiled, "dp_backend", None), "compiled", ()) if r.dp]
     return {"mode": mode, "first_call_s": first, "step_ms": statistics.median(steps) * 1e3,
             "kernels": metrics.generated_kernel_count, "dtype": spec["dtype"], "fake_ranks": fake_ranks,
-            "gathered_buckets_copied_out": sum(r.counters.get("gathered_buckets_copied_out", 0) for r in records),
+            "gathered_buckets_copied_out": sum(r.counters.get(gathered_copy_out.COUNTER, 0) for r in records),
             "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
                                    if k.startswith("autograd_cache")},
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
@@ -139,16 +141,17 @@ def main() -> None:
         if any("=" not in x or ";" in x for x in a.inductor):
             raise SystemExit("--inductor takes KEY=VALUE (no ';')")
         os.environ["DPC_CT_INDUCTOR"] = ";".join(a.inductor)
+    off = list(filter(None, a.disable_passes.split(",")))
     if a.fake_ranks == 1 or a.fake_ranks < 0:
         raise SystemExit("--fake-ranks takes 2 or more (a one-rank mesh compiles no bucketed collectives)")
     if a.child:
         print(json.dumps(child(a.child, a.shape, fake_ranks=a.fake_ranks, dtype=a.dtype,
-                               disable_passes=list(filter(None, a.disable_passes.split(","))))))
+                               disable_passes=off)))
         return
     sys.path.insert(0, anchors.ROOT)  # dpcompile and its passes from this checkout, as the children import them
     from passes import check_disable_passes
 
-    check_disable_passes(filter(None, a.disable_passes.split(",")))  # a bad name fails here, not in every child
+    check_disable_passes(off)  # a bad name fails here, not in every child
     extra = (["--fake-ranks", str(a.fake_ranks)] if a.fake_ranks else []) + (["--dtype", a.dtype] if a.dtype else []) \
         + (["--disable-passes", a.disable_passes] if a.disable_passes else [])
     import torch

@@ -694,8 +694,9 @@ class DPBackend:
         if self.config.cpp_wrapper or torch._inductor.config.cpp_wrapper:
             cpp.update(cpp_wrapper_patches(collectives=collectives))
         copy_out = {}
+        # (the C++ wrapper's patches may unbucket)
         if collectives and cpp.get("bucket_all_gathers_fx") != "none" \
-                and "gathered_copy_out" not in self.config.disable_passes:  # (the C++ wrapper's patches may unbucket)
+                and gathered_copy_out.NAME not in self.config.disable_passes:
             copy_out = gathered_copy_out.patches(count=functools.partial(record.count, gathered_copy_out.COUNTER))
         return {"triton.cudagraphs": self.config.cudagraphs, **cpp, **copy_out}
 

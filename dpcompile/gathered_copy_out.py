@@ -29,6 +29,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 aten = torch.ops.aten
 COUNTER = "gathered_buckets_copied_out"
+NAME = "gathered_copy_out"  # in disable_passes: no copy-out (the parameters stay views of their bucket)
 
 _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor_out.default,
             torch.ops._c10d_functional.all_gather_into_tensor.default)

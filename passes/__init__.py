@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch.fx as fx
 
+from dpcompile import gathered_copy_out
+
 from .aligned_contractions import aligned_contractions_pass
 from .batch_dims import batch_dim_analysis_pass
 from .cleanup import cleanup_pass
@@ -99,7 +101,7 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
 
 # rewrites that run inside Inductor's compile, as its post-grad custom pass (dpcompile.backend's codegen
 # patches): not FX passes of the lists above, but optional and disabled by name the same way
-INDUCTOR_PASS_NAMES: tuple[str, ...] = ("gathered_copy_out",)
+INDUCTOR_PASS_NAMES: tuple[str, ...] = (gathered_copy_out.NAME,)
 
 
 def check_disable_passes(names) -> None:
@@ -109,8 +111,8 @@ def check_disable_passes(names) -> None:
         if n in INDUCTOR_PASS_NAMES:
             continue
         if n not in by_name:
-            raise ValueError(f"disable_passes: unknown pass {n!r}; passes are "
-                             f"{[p.name for p in PASSES + BACKWARD_PASSES] + list(INDUCTOR_PASS_NAMES)}")
+            raise ValueError(
+                f"disable_passes: unknown pass {n!r}; passes are {list(by_name) + list(INDUCTOR_PASS_NAMES)}")
         if not by_name[n].optional:
             raise ValueError(
                 f"disable_passes: pass {n!r} computes part of the DP gradient and cannot be disabled; "

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpcompile  # noqa: E402
 import helpers  # noqa: E402
 import reference  # noqa: E402
+from dpcompile import gathered_copy_out  # noqa: E402
 from dpcompile.errors import DPValueError  # noqa: E402
 from helpers import check_against_reference  # noqa: E402
 
@@ -1003,7 +1004,7 @@ def _sharded_rank(rank: int, world: int, tmp: str, name: str, schedule: str, com
                     dist.all_reduce(ref[k])
             _compare(model, ref, f"per-rank batches {split}", full=lambda g: g.full_tensor())
         # (fully_shard's default bucketing: its all-gathers' parameters copied out, dpcompile.gathered_copy_out)
-        copied = sum(r.counters.get("gathered_buckets_copied_out", 0) for r in private.dp_backend.compiled if r.dp)
+        copied = sum(r.counters.get(gathered_copy_out.COUNTER, 0) for r in private.dp_backend.compiled if r.dp)
         result = ("PASS", f"per-rank batches {cuts}, then {empty_last}"
                   + (f"; {copied} gathered buckets copied out" if copied else ""))
     except ImportError as exc:

@@ -26,9 +26,13 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from dpcompile.accumulation import accumulating
 from dpcompile.batching import batch_sizes, forget_nonempty_axiom, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
+from dpcompile import cacheable_dtensor_calls
+from dpcompile.cacheable_dtensor_calls import COUNTER as DTENSOR_CALLS_COUNTER
+from dpcompile.cacheable_dtensor_calls import cache_patches as dtensor_cache_patches
+from dpcompile.cacheable_dtensor_calls import cacheable_dtensor_calls_pass
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
-                                     save_record, stable_mesh_keys)
-from dpcompile.compat import (cache_serves_sharded_steps, cpp_wrapper_any_args, decompositions_for_one_sample,
+                                     save_record, source_hash, stable_mesh_keys)
+from dpcompile.compat import (cpp_wrapper_any_args, decompositions_for_one_sample, dtensor_calls_are_closures,
                               expand_unbacked_vec_indices, guard_empty_y_grid, hint_cpu_bmm_layouts,
                               hint_fusion_scores, hint_kernel_size_hints, install_hf_shims, hint_mix_order_split,
                               mix_order_reduction_keeps_shapes,
@@ -802,9 +806,15 @@ class DPBackend:
                                      (_NOISE_GATE_INPUT_NAME, gate_on)])
         part = DPPartitioner(self, record, dumper, split, tp, rank_layout(example_inputs) if distributed else "")
         aot_cache = torch._functorch.config.enable_autograd_cache and aot_cache_allowed(
-            self.config, dumps_wanted=dumper.folder is not None) and (not distributed or cache_serves_sharded_steps())
+            self.config, dumps_wanted=dumper.folder is not None)
         if aot_cache and distributed:
             stable_mesh_keys()
+            # torch 2.11 records DTensor method calls as closures, which the cache refuses
+            gm, record.counters[DTENSOR_CALLS_COUNTER] = cacheable_dtensor_calls_pass(gm) \
+                if dtensor_calls_are_closures() and cacheable_dtensor_calls.NAME not in self.config.disable_passes \
+                else (gm, 0)
+            if record.counters[DTENSOR_CALLS_COUNTER]:
+                codegen = {**codegen, **dtensor_cache_patches(source_hash())}
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
         compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner,

@@ -1892,14 +1892,13 @@ def dtensor_takes_unbacked_batch() -> bool:
     return _torch_at_least(2, 13)
 
 
-def cache_serves_sharded_steps() -> bool:
-    """Whether warm restarts of sharded and tensor-parallel steps go through the AOTAutograd cache: on torch
-    2.13 a restarted 2-rank job hits its entries and reproduces the first run bit for bit
-    (tests/test_compile_cache.py). torch 2.11's cache bypasses every graph that redistributes a DTensor
-    ("Unsupported call_function target ...method_redistribute.<locals>.redistribute_fn_with_prim_types", seen
-    with TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache on two H200s), so it never saves an entry
-    for such a step; there those steps skip the cache, as they did before."""
-    return _torch_at_least(2, 13)
+def dtensor_calls_are_closures() -> bool:
+    """torch 2.11's dynamo records a DTensor's redistribute and to_local, and DTensor.from_local, as calls of
+    closures it makes per call (``prim_redistribute``, ``prim_to_local``, ``prim from_local``), which its
+    AOTAutograd cache refuses ("Unsupported call_function target ...redistribute_fn_with_prim_types", seen with
+    TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache): dpcompile.cacheable_dtensor_calls rewrites them.
+    torch 2.13 records method calls, which its cache takes."""
+    return not _torch_at_least(2, 13)
 
 
 def reflection_pad_takes_unbacked_batch() -> bool:

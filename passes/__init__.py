@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from dpcompile import gathered_copy_out
+from dpcompile import cacheable_dtensor_calls, gathered_copy_out
 
 from .aligned_contractions import aligned_contractions_pass
 from .batch_dims import batch_dim_analysis_pass
@@ -99,9 +99,10 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
 )
 
 
-# rewrites that run inside Inductor's compile, as its post-grad custom pass (dpcompile.backend's codegen
-# patches): not FX passes of the lists above, but optional and disabled by name the same way
-INDUCTOR_PASS_NAMES: tuple[str, ...] = (gathered_copy_out.NAME,)
+# rewrites outside the joint graph, not FX passes of the lists above, but optional and disabled by name the same
+# way: one inside Inductor's compile, as its post-grad custom pass (dpcompile.backend's codegen patches), and one
+# of dynamo's graph before AOTAutograd's cache sees it (torch 2.11's DTensor calls)
+INDUCTOR_PASS_NAMES: tuple[str, ...] = (gathered_copy_out.NAME, cacheable_dtensor_calls.NAME)
 
 
 def check_disable_passes(names) -> None:

@@ -9,7 +9,8 @@ from helpers import compile_step
 from tiers import extended
 
 from dpcompile import compile_cache
-from dpcompile.compat import cache_serves_sharded_steps
+from dpcompile.cacheable_dtensor_calls import COUNTER as DTENSOR_CALLS, cache_patches, cacheable_dtensor_calls_pass
+from dpcompile.compat import dtensor_calls_are_closures
 from dpcompile.config import DPConfig
 from dpcompile.passes import noise as noise_pass
 
@@ -162,13 +163,10 @@ def test_a_restart_of_a_sharded_or_tensor_parallel_step_hits_the_cache_on_every_
     for run in ("first", "again"):
         spawn(dist_worker.restart, str(tmp_path), layout, schedule, run, start_method="spawn")
     first, again = _read(tmp_path, prefix="first"), _read(tmp_path, prefix="again")
-    if not cache_serves_sharded_steps():  # torch 2.11: such steps skip the cache; a restart compiles anew
-        for rank in (0, 1):
-            assert first[rank]["cache"] == again[rank]["cache"] == [""], (first, again)
-            assert again[rank]["grads"] == first[rank]["grads"], rank
-        return
     for rank in (0, 1):
         assert first[rank]["cache"] == ["miss"] and again[rank]["cache"] == ["hit"], (rank, first, again)
+        # torch 2.11: the DTensor calls dynamo recorded as closures were made cacheable (else: no entry)
+        assert (first[rank]["counters"][0][DTENSOR_CALLS] > 0) == dtensor_calls_are_closures(), first[rank]
         assert again[rank]["counters"] == first[rank]["counters"]
         assert again[rank]["streams"] == first[rank]["streams"]
         assert again[rank]["grads"] == first[rank]["grads"], rank
@@ -185,3 +183,69 @@ def test_a_restart_of_a_sharded_or_tensor_parallel_step_hits_the_cache_on_every_
         spawn(dist_worker.restart, str(tmp_path), layout, schedule, "lost", start_method="spawn")
         for rank, rep in enumerate(_read(tmp_path, prefix="lost")):
             assert rep["cache"] == ["miss"] and rep["grads"] == first[rank]["grads"], rank
+
+
+def _closure(name, *args, **kwargs):
+    """A call as torch 2.11's dynamo records a DTensor method: a closure made for it, its arguments captured."""
+    args_as_value, kwargs_as_value = list(args), dict(kwargs)
+
+    def redistribute_fn_with_prim_types(x):
+        return x.redistribute(*args_as_value, **kwargs_as_value)
+
+    def to_local_fn_with_prim_types(x):
+        return x.to_local(*args_as_value, **kwargs_as_value)
+
+    fn = redistribute_fn_with_prim_types if name == "redistribute" else to_local_fn_with_prim_types
+    fn.__name__ = f"prim_{name}"
+    return fn
+
+
+class _Recorder:
+    """Stands in for a DTensor: records the method calls made on it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def redistribute(self, *args, **kwargs):
+        self.calls.append(("redistribute", args, kwargs))
+        return self
+
+    def to_local(self, *args, **kwargs):
+        self.calls.append(("to_local", args, kwargs))
+        return self
+
+
+def test_dtensor_calls_recorded_as_closures_become_cacheable_calls_keyed_by_their_arguments():
+    """torch 2.11 records x.redistribute(...) and x.to_local(...) as per-call closures, which the AOTAutograd
+    cache refuses: each becomes a call of one module-level function that the cache is told is safe, with a
+    text of the captured arguments in the graph's code (so the key tells calls with other arguments apart),
+    and the same calls made on the input. A closure whose arguments have no such text is left as it was."""
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(_closure("redistribute", "mesh-stand-in", (1, 2), async_op=False), (x,))
+    b = graph.call_function(_closure("to_local", grad_placements=None), (a,))
+    c = graph.call_function(_closure("redistribute", "mesh-stand-in", (2, 1)), (b,))
+    d = graph.call_function(_closure("redistribute", object()), (c,))  # printed by address: not keyable
+    graph.output(d)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.raises(BypassAOTAutogradCache):
+        check_node_safe(a)
+    gm, n = cacheable_dtensor_calls_pass(gm)
+    assert n == 3, gm.code
+    calls = [node for node in gm.graph.nodes if node.op == "call_function"]
+    keys = [node.args[1] for node in calls[:3]]
+    assert len(set(keys)) == 3 and "int:1, int:2" in keys[0] and "int:2, int:1" in keys[2], keys
+    assert all(key in gm.code for key in keys), gm.code  # in the code, which the cache key hashes
+    assert calls[3].target.__name__ == "prim_redistribute"  # left for the cache to bypass
+    with torch._inductor.config.patch(cache_patches("test")):
+        for node in calls[:3]:
+            check_node_safe(node)
+    with pytest.raises(BypassAOTAutogradCache):
+        check_node_safe(calls[0])  # only while the compile's config marks it
+    rec = _Recorder()
+    assert gm(rec) is rec
+    assert [(m, args, kw) for m, args, kw in rec.calls[:3]] == [
+        ("redistribute", ("mesh-stand-in", (1, 2)), {"async_op": False}), ("to_local", (), {"grad_placements": None}),
+        ("redistribute", ("mesh-stand-in", (2, 1)), {})], rec.calls

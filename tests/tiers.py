@@ -6,7 +6,11 @@ parametrisation: another schedule of a sharded case (every case runs sharded in 
 schedule on about half of them), another layout of a feature the default tier runs sharded, every layer kind
 with the CUDA padding rule forced on for CPU (the padding rule itself runs in the default tier), a sharded run
 through Inductor whose case runs op by op sharded in the default tier while another sharded run there takes its
-feature through Inductor (padding, recomputed logits), or one process runs it through Inductor (dropout).
+feature through Inductor (padding, recomputed logits), or one process runs it through Inductor (dropout), or a
+model variant's Inductor run (frozen, tied or low-rank weights, another loss or reduction of a model whose own
+Inductor run is in the default tier: the variant is dpcompile's rewrite, which its op-by-op run checks), or the
+other schedule's Inductor run of a feature the default tier takes through Inductor with one schedule and op by op
+with the other (dropout's masks, grouped Gram norms).
 Privacy-relevant paths (every op rule, every case on one process in both schedules, every case sharded, refusals,
 noise, accounting) stay in the default tier."""
 import os

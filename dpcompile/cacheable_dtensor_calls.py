@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from dpcompile.compile_cache import mesh_text
+
 NAME = "cacheable_dtensor_calls"  # in disable_passes: the calls stay closures, and the cache bypasses the graph
 COUNTER = "dtensor_calls_made_cacheable"
 # key -> (method name or function, args, kwargs) of the calls rewritten in this process
@@ -43,9 +45,7 @@ def _text(v) -> str | None:
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(v, DeviceMesh):
-        # what compile_cache.stable_mesh_keys keys a mesh by: two meshes of one text are the same collectives
-        return (f"DeviceMesh({v.mesh.flatten().tolist()}, {tuple(v.mesh.shape)}, {v.device_type!r}, "
-                f"{v.mesh_dim_names!r}, {tuple(getattr(v, '_dim_group_names', ()))!r}, {v.get_coordinate()!r})")
+        return mesh_text(v)  # as the cache keys a mesh input (torch 2.13)
     if isinstance(v, (list, tuple)):
         parts = [_text(x) for x in v]
         return None if None in parts else f"{type(v).__name__}({', '.join(parts)})"

@@ -99,6 +99,15 @@ def rank_layout(example_inputs) -> str:
     return f"-rank{dist.get_rank()}of{dist.get_world_size()}-{digest}"
 
 
+def mesh_text(mesh) -> str:
+    """A device mesh as a text that is the same in every process of a job and its restarts: its ranks and shape,
+    device type, dim names, process groups and this rank's place (two meshes of one text run the same
+    collectives)."""
+    what = (mesh.mesh.flatten().tolist(), tuple(mesh.mesh.shape), mesh.device_type, mesh.mesh_dim_names,
+            tuple(getattr(mesh, "_dim_group_names", ())), mesh.get_coordinate())
+    return f"DeviceMesh{what!r}"
+
+
 def stable_mesh_keys() -> None:
     """Cache keys that hold a DeviceMesh (torch 2.13 passes a sharded step's meshes to the graph as opaque
     inputs) the same in every process. torch's cache pickler pickles a mesh with its ``__hash__`` cached in it,
@@ -111,9 +120,7 @@ def stable_mesh_keys() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     def reduce_mesh(mesh):
-        what = (mesh.mesh.flatten().tolist(), tuple(mesh.mesh.shape), mesh.device_type, mesh.mesh_dim_names,
-                tuple(getattr(mesh, "_dim_group_names", ())), mesh.get_coordinate())
-        return str, (f"DeviceMesh{what!r}",)
+        return str, (mesh_text(mesh),)
 
     original = FxGraphCachePickler.__init__
 

@@ -27,9 +27,6 @@ from dpcompile.accumulation import accumulating
 from dpcompile.batching import batch_sizes, forget_nonempty_axiom, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile import cacheable_dtensor_calls
-from dpcompile.cacheable_dtensor_calls import COUNTER as DTENSOR_CALLS_COUNTER
-from dpcompile.cacheable_dtensor_calls import cache_patches as dtensor_cache_patches
-from dpcompile.cacheable_dtensor_calls import cacheable_dtensor_calls_pass
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, source_hash, stable_mesh_keys)
 from dpcompile.compat import (cpp_wrapper_any_args, decompositions_for_one_sample, dtensor_calls_are_closures,
@@ -810,11 +807,12 @@ class DPBackend:
         if aot_cache and distributed:
             stable_mesh_keys()
             # torch 2.11 records DTensor method calls as closures, which the cache refuses
-            gm, record.counters[DTENSOR_CALLS_COUNTER] = cacheable_dtensor_calls_pass(gm) \
-                if dtensor_calls_are_closures() and cacheable_dtensor_calls.NAME not in self.config.disable_passes \
-                else (gm, 0)
-            if record.counters[DTENSOR_CALLS_COUNTER]:
-                codegen = {**codegen, **dtensor_cache_patches(source_hash())}
+            rewritten = 0
+            if dtensor_calls_are_closures() and cacheable_dtensor_calls.NAME not in self.config.disable_passes:
+                gm, rewritten = cacheable_dtensor_calls.cacheable_dtensor_calls_pass(gm)
+            record.counters[cacheable_dtensor_calls.COUNTER] = rewritten
+            if rewritten:
+                codegen = {**codegen, **cacheable_dtensor_calls.cache_patches(source_hash())}
         extra = [seeds_example, counter, gate_on]
         key = record_key(part.uuid(), gm, [*example_inputs, *extra]) if aot_cache else None
         compiled = self._compile_fx(gm, [*example_inputs, *extra], part, record, tp, key is not None, inner,

@@ -614,16 +614,14 @@ def dropout(rank, world, init_file, out_dir, runs):
     import json
     import traceback
 
-    from helpers import TORCH_VERSION
     from test_dropout import VOCAB, batches_of, replayed_reference, token_ce
 
     mesh = _init(rank, world, init_file)
-    if TORCH_VERSION < (2, 13):
-        # torch 2.11's Inductor, scheduling the bucketed collectives, moves the drop path's and Dropout1d's
-        # bernoulli_ before the nn.Dropouts' native_dropout (independent ops; each still draws once, forward and
-        # backward read the same masks): other masks than an eager forward's, which the oracle cannot replay.
-        # Unbucketed it keeps the program's order; 2.13 keeps it bucketed too.
-        dpcompile.bucket_collectives(None)
+    # Inductor, scheduling the bucketed collectives, moves the drop path's rand and Dropout1d's bernoulli_ before
+    # the nn.Dropouts' native_dropout (independent ops; each still draws once, forward and backward read the same
+    # masks): other masks than an eager forward's, which the oracle cannot replay. Unbucketed it keeps the
+    # program's order. (torch 2.11 did so first; 2.13 does too since, seen in its output code.)
+    dpcompile.bucket_collectives(None)
     results = {}
     for schedule, form, compiler in runs:
         torch._dynamo.reset()

@@ -62,19 +62,21 @@ def test_left_alone_where_alignment_does_not_matter(device, dtype):
     assert not ctx.counters
 
 
-def test_padded_contractions_give_the_exact_gradients(monkeypatch):
+# bk through Inductor: the extended tier (tests/tiers.py). The padding is dpcompile's rewrite, which bk's op-by-op
+# run checks; Inductor's code for padded contractions: ghost's run here and the sharded matrix's padded gpt (CI time)
+@pytest.mark.parametrize("schedule,compiler", [("bk", "eager"), ("ghost", "inductor"),
+                                               pytest.param("bk", "inductor", marks=extended)])
+def test_padded_contractions_give_the_exact_gradients(schedule, compiler, monkeypatch):
     """Forced on for CPU float32 (the CUDA rule is bf16/fp16): odd vocab, width, hidden size and sequence."""
     monkeypatch.setattr(AC, "PAD_DEVICES", ("cpu",))
     monkeypatch.setattr(AC, "ALIGNMENT", {torch.float32: 8})
     torch.manual_seed(0)
-    for schedule in ("bk", "ghost"):
-        model = M.GPT(vocab=13, d=12, n_head=2, n_layer=1, max_t=6, tied=True)
-        ids, y = torch.randint(0, 13, (4, 6)), torch.randint(0, 13, (4, 6))
-        dpcompile.mark_batch(ids, y)  # as a sharded step: only static sizes are padded
-        backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule)
-        (record,) = [r for r in backend.compiled if r.dp]
-        assert record.counters["contractions_padded"] >= 8, record.counters
-        torch._dynamo.reset()
+    model = M.GPT(vocab=13, d=12, n_head=2, n_layer=1, max_t=6, tied=True)
+    ids, y = torch.randint(0, 13, (4, 6)), torch.randint(0, 13, (4, 6))
+    dpcompile.mark_batch(ids, y)  # as a sharded step: only static sizes are padded
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, compiler=compiler)
+    (record,) = [r for r in backend.compiled if r.dp]
+    assert record.counters["contractions_padded"] >= 8, record.counters
 
 
 def test_strided_results_reach_outputs_contiguous():

@@ -148,9 +148,11 @@ RANKS = SharedRanks("ranks", {
     "unmarked": (1, "unmarked_batch", {}),
     "cross_entropy_mean": (1, "cross_entropy_mean", {}),
     "ctc_loss": (1, "ctc_loss_sharded", {}),
-    # both schedules op by op; ghost through Inductor (its fallback_random draws) in the extended tier (CI time:
-    # 90 s of the group's; Inductor's dropout on one process: test_dropout)
-    "dropout": (0, "dropout", dict(runs=(("bk", "compile", "eager"), ("ghost", "private_step", "eager")))),
+    # ghost op by op (its second backward replays the masks); bk op by op and ghost through Inductor (its
+    # fallback_random draws) in the extended tier (CI time: 90 s of the group's for Inductor, 45 s for bk;
+    # Inductor's dropout on one process and both schedules there: test_dropout)
+    "dropout": (0, "dropout", dict(runs=(("ghost", "private_step", "eager"),))),
+    "dropout_bk": (1, "dropout", dict(runs=(("bk", "compile", "eager"),))),
     "dropout_inductor": (1, "dropout", dict(runs=(("ghost", "private_step", "inductor"),))),
     # FSDP2's other ways to call fully_shard (dist_worker._sharded_case's flags)
     "placements": (1, "every_case", dict(runs=[("gpt", "bk", "compile+eager+last_dim+lists"),
@@ -166,7 +168,7 @@ RANKS = SharedRanks("ranks", {
     "bucketed_gpt_bk_16", "input_gram",
     # gpt_odd's padded bk through Inductor (the default tier pads sharded through Inductor in the matrix's gpt ghost
     # run: its counters, the re-gathered weights and the exact gradients)
-    "padded", "dropout_inductor"))
+    "padded", "dropout_bk", "dropout_inductor"))
 _ranks = RANKS.mark
 
 
@@ -333,11 +335,12 @@ def test_whole_batch_means_sharded(shared_ranks):
             assert r["counters"][counter] == 1, r["counters"]
 
 
-@pytest.mark.parametrize("job", [pytest.param(j, marks=RANKS.marks(j)) for j in ("dropout", "dropout_inductor")])
+@pytest.mark.parametrize("job", [pytest.param(j, marks=RANKS.marks(j)) for j in ("dropout", "dropout_bk",
+                                                                                 "dropout_inductor")])
 def test_dropout_sharded(job, shared_ranks):
     """models.DropoutLM's dropouts and per-sample drop path sharded on 2 ranks, per-rank batches (0, 3), (1, 4),
     (5, 3), (0, 0) through one graph, each rank seeded per step: every rank's gathered gradient equals the
-    replayed oracle of the whole batch (dist_worker.dropout), both schedules op by op, and ghost through
+    replayed oracle of the whole batch (dist_worker.dropout), ghost op by op, and bk op by op and ghost through
     Inductor (the extended tier)."""
     ranks = _read(shared_ranks(RANKS, job), prefix="dropout")
     want = {"-".join(run) for run in RANKS.jobs[job][2]["runs"]}

@@ -9,7 +9,7 @@ from helpers import compile_step
 from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
-V, B, T, D, LAYERS = 2048, 4, 128, 32, 4  # GPT-2-small's vocabulary / width ratio: the logits dominate
+V, B, T, D, LAYERS = 2048, 4, 128, 32, 2  # GPT-2-small's vocabulary / width ratio: the logits dominate
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1}
 
 

@@ -76,7 +76,9 @@ def test_a_weight_clamped_in_the_forward_gets_the_losss_gradient(schedule, compi
     assert record.counters["side_gradient_ops_cut"] >= 1, record.counters
 
 
-@pytest.mark.parametrize("case,schedule", [("sample_indexed", "bk"), ("hf_llama", "ghost")])
+# hf_llama: the extended tier (tests/tiers.py). The sharded matrix's hf_llama runs through Inductor with the
+# reordering on (fully_shard turns it on) in the default tier; the sliced arange: sample_indexed (CI time: 45 s)
+@pytest.mark.parametrize("case,schedule", [("sample_indexed", "bk"), pytest.param("hf_llama", "ghost", marks=extended)])
 def test_exact_with_inductors_collective_reordering(case, schedule):
     """fully_shard turns on Inductor's compute/communication reordering for every graph compiled afterwards. With
     it on, Inductor keeps no-op slices in the graphs (so every rank's is the same), and the arange indexing the
@@ -218,7 +220,9 @@ def test_sequence_first_rows_with_an_unbacked_batch(schedule):
     check_case_invariants("einsum_weights", record.counters, record.summary)
 
 
-@pytest.mark.parametrize("case", ["gpt", "llama"])
+# llama: the extended tier (tests/tiers.py). auto's choice and the mixed schedules run through Inductor on gpt;
+# llama's blocks go through Inductor in test_matches_reference (CI time: 22 s)
+@pytest.mark.parametrize("case", ["gpt", pytest.param("llama", marks=extended)])
 def test_auto_schedule_mixes_bk_and_ghost(case):
     c = CASES[case]
     inputs, targets = c.data(3)

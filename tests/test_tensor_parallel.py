@@ -34,10 +34,11 @@ RUNS = {f"{c}-{s}-{comp}-{dp}": (c, s, comp, dp) for c, s, comp, dp in [
 ]}
 
 
-# The extended tier (tests/tiers.py): the plain MLP and torchtitan's Llama plan without sequence parallelism at
-# tp 2 (the default tier: a Llama block's Colwise/Rowwise, torchtitan's plan with sequence parallelism, both
-# schedules), and the MLP at dp x tp (the default tier: the sequence-parallel Llama there)
-EXTENDED = ("gpt-bk-eager-1", "llama_tp-bk-eager-1", "gpt-ghost-eager-2")
+# The extended tier (tests/tiers.py): the plain MLP, a Llama block's Colwise/Rowwise and torchtitan's Llama plan
+# without sequence parallelism at tp 2 (the default tier: transformers' Llama under its own Colwise/Rowwise plan
+# with ghost, torchtitan's plan with sequence parallelism with bk and gpt_sp's with ghost), and the MLP at dp x tp
+# (the default tier: the sequence-parallel Llama there)
+EXTENDED = ("gpt-bk-eager-1", "llama-bk-eager-1", "llama_tp-bk-eager-1", "gpt-ghost-eager-2")
 
 
 def _shared(world):

@@ -204,18 +204,6 @@ def reference_normals(seed: int, counters: np.ndarray) -> np.ndarray:
     return np.stack(out)
 
 
-def _refined_counters(seed: int, want: int = 2) -> list[int]:
-    """Counters below 2^31 whose first or third word is below 256 (about one in 8 million): where normals4 takes
-    its refinement words."""
-    found, start, step = [], 0, 1 << 22
-    while len(found) < want:
-        c = np.arange(start, start + step, dtype=np.uint64)
-        w1, _, w3, _ = philox4x32(seed, c)
-        found += [int(v) for v in c[(w1 < 256) | (w3 < 256)]]
-        start += step
-    return found[:want]
-
-
 def tail_cases(device: str) -> dict:
     """normals4 against reference_normals (numpy Philox, float64 Box-Muller) on counters that take the
     refinement and ordinary ones; tl.randint4x against numpy's Philox; the radius at the extreme words."""
@@ -223,7 +211,10 @@ def tail_cases(device: str) -> dict:
 
     seed = 0x1234_5678_9ABC_DEF  # positive int64, both words nonzero
     block = 64
-    refined = _refined_counters(seed)
+    # the first two counters below 2^31 whose first or third word is below 256 (about one in 8 million: where
+    # normals4 takes its refinement words), found once by a numpy search of Philox over 16M counters (CI time);
+    # "refined_words_below_256" checks that they still are
+    refined = [12717215, 12981371]
     counters = np.array(refined + list(range(1000, 1000 + block - len(refined))), dtype=np.uint64)
     dev = torch.device(device)
     seed_t = torch.tensor([seed], dtype=torch.int64, device=dev)

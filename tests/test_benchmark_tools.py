@@ -37,7 +37,7 @@ def test_unbacked_rows_compile_the_dp_step_with_an_unbacked_batch():
     from dpcompile import batching
 
     spec = dict(model="gpt", B=2, T=8, dtype="fp32", mode="bk", tiny=True, shard=False, llama_tied=False,
-                unbacked=True)
+                unbacked=True, dp_options={"compiler": "eager"})
     torch._dynamo.reset()
     model = anchors.build_model(spec)
     x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))

@@ -28,14 +28,17 @@ MATCH_RUNS = [(case, schedule, ("inductor", "eager")[(i + k) % 2])
 # test_convolution's bk runs; sorted_experts' grouped matmuls in test_sorted_experts' ghost runs (a batch of one,
 # an unbacked batch)
 INDUCTOR_EXTENDED = ("recurrent", "reparametrised", "vision_blocks", "sorted_experts")
-# Variants of a model whose Inductor run the default tier keeps (gpt, llama, hf_gpt2, checkpointed) or runs
+# Variants of a model whose Inductor run the default tier keeps (gpt, llama, hf_gpt2) or runs
 # sharded (hf_llama, test_fsdp): what sets them apart (a loss over the class dim, frozen, tied or low-rank
 # weights, a sum reduction) is dpcompile's rewrite, which their op-by-op run checks, and Inductor lowers the same
 # blocks. Their Inductor runs are the extended tier too (CI time: 35-46 s each on a loaded 2-core machine)
 MODEL_VARIANTS_EXTENDED = ("gpt_kdim_ce", "gpt_frozen", "gpt_tied", "gpt_lora", "llama_sum", "hf_llama")
+# Cases whose Inductor run (the same schedule, against the oracle) the default tier has in another test: checkpointed
+# (ghost) in test_graphs' test_kept_graph_texts_are_printed_when_read_as_they_were_when_kept
+INDUCTOR_ELSEWHERE = ("checkpointed",)
 _MATCH_PARAMS = [p for case, schedule, compiler in MATCH_RUNS for p in (
     [pytest.param(case, schedule, compiler, marks=extended), (case, schedule, "eager_standin")]
-    if compiler == "inductor" and case in INDUCTOR_EXTENDED + MODEL_VARIANTS_EXTENDED
+    if compiler == "inductor" and case in INDUCTOR_EXTENDED + MODEL_VARIANTS_EXTENDED + INDUCTOR_ELSEWHERE
     else [(case, schedule, compiler)])]
 
 

@@ -10,7 +10,13 @@ feature through Inductor (padding, recomputed logits), or one process runs it th
 model variant's Inductor run (frozen, tied or low-rank weights, another loss or reduction of a model whose own
 Inductor run is in the default tier: the variant is dpcompile's rewrite, which its op-by-op run checks), or the
 other schedule's Inductor run of a feature the default tier takes through Inductor with one schedule and op by op
-with the other (dropout's masks, grouped Gram norms).
+with the other (dropout's masks, grouped Gram norms, micro-batch accumulation, padded contractions, the C++
+wrapper), or an Inductor run whose path other default-tier tests take between them: a model another test takes
+through Inductor against the oracle (checkpointed in test_graphs, hf_llama with the reordered collectives in the
+sharded matrix, llama in the auto schedule), multilabel_margin's fixed decomposition (traced by aot_eager, lowered
+in test_losses' DP step), transformers' flex-attention masks (the forward's, the same in both schedules).
+Where a test's assertions read only dpcompile's graphs or counters, or a noiseless reference, its compile is op
+by op in both tiers.
 Privacy-relevant paths (every op rule, every case on one process in both schedules, every case sharded, refusals,
 noise, accounting) stay in the default tier."""
 import os

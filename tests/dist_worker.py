@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import functools
 import json
 import os
@@ -27,6 +28,9 @@ def _init(rank, world, init_file, mesh_shape=None, mesh_dim_names=None):
     import datetime
 
     if not _SHARED_GROUP[0]:
+        # a rank that crashes (SIGSEGV in a C++ library) prints every thread's Python stack to its stderr, which
+        # the test's captured output shows: pytest's faulthandler covers its own process only
+        faulthandler.enable()
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         # a collective one rank never reaches fails the test after 5 minutes instead of hanging the run (a rank
         # compiling while the other waits for it takes less)

@@ -83,7 +83,7 @@ mm [7, 5]""")
         # on CUDA fused it with an early norm reduction, which ran every norm contraction after the whole
         # input-gradient chain (ghost's peak memory, BENCHMARKS.md)
         for schedule in ("bk", "ghost"):
-            rec = mlp_backward(schedule, compiler="eager")
+            rec = mlp_backward(schedule, compiler="eager")  # rec.ops: dpcompile's graph, the same op by op
             ops = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]]
             before_sqrt = ops[:[name for name, _ in ops].index("sqrt")]
             # the two biases' per-sample gradients ([4, 7] and [4, 3]) are rows of one buffer whose squares
@@ -98,7 +98,7 @@ mm [7, 5]""")
     def test_clip_coefficients_and_keep_mask_are_stored_once(self):
         # not inlined into every kernel that scales or masks by them (the DP backward's compile time)
         for schedule in ("bk", "ghost"):
-            rec = mlp_backward(schedule, compiler="eager")
+            rec = mlp_backward(schedule, compiler="eager")  # rec.ops: dpcompile's graph, the same op by op
             stored = [(op_short(op), list(shape)) for op, shape in rec.ops["backward"]
                       if op == "prims.inductor_force_stride_order.default"]
             self.assertGreaterEqual(stored.count(("inductor_force_stride_order", [4])), 2, schedule)
@@ -112,6 +112,7 @@ mm [7, 5]""")
         torch._dynamo.reset()
         x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
         x[2] = float("nan")  # dropped: its rows must be zero in every copy
+        # op by op: the counters are dpcompile's (Inductor's code for masked rows in place: test_zero_rows)
         backend = check_against_reference(TwoHeads(), M.ce, (x,), (y,), schedule="bk", compiler="eager")
         self.assertEqual(backend.compiled[0].counters["bk_deferred_contractions"], 3)
         self.assertEqual(backend.compiled[0].counters["bk_sums_from_rows"], 3)

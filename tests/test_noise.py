@@ -18,6 +18,7 @@ def _run_steps(seed, n_steps, *, sigma=1.3, C=0.7, ebs=5, reduction="mean", comp
     torch.manual_seed(0)
     model = M.MLP()
     x, y = torch.randn(4, 5) * 2, torch.randint(0, 3, (4,))
+    # the noiseless reference op by op (CI time): the noisy steps below take the compiler under test
     noiseless, _ = compile_step(model, M.ce, reduction=reduction, max_grad_norm=C, noise_multiplier=0.0,
                                 expected_batch_size=ebs, compiler="eager")
     model.zero_grad(set_to_none=True)
@@ -210,7 +211,7 @@ def test_autocast_gradients_take_the_cast_into_the_op(monkeypatch):
     fp32 (counter noise_casts_taken_in); the noise is N(0, (s C k)^2) on every coordinate around the clipped
     gradient computed without noise."""
     sigma = 0.9
-    clean, _ = _autocast_llama_grads(1, 0, noise_multiplier=0.0, compiler="eager")
+    clean, _ = _autocast_llama_grads(1, 0, noise_multiplier=0.0, compiler="eager")  # the centre, op by op
     noisy, backend = _autocast_llama_grads(12, 7, noise_multiplier=sigma)  # 12 x 2672 coordinates (CI time: 40 steps)
     (rec,) = [r for r in backend.compiled if r.dp]
     n_linear = 7 + 1  # the block's q, k, v, o, gate, up, down and the head: bf16 gradients under autocast

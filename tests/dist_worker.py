@@ -624,7 +624,7 @@ def dropout(rank, world, init_file, out_dir, runs):
     # Inductor, scheduling the bucketed collectives, moves the drop path's rand and Dropout1d's bernoulli_ before
     # the nn.Dropouts' native_dropout (independent ops; each still draws once, forward and backward read the same
     # masks): other masks than an eager forward's, which the oracle cannot replay. Unbucketed it keeps the
-    # program's order. (torch 2.11 did so first; 2.13 does too since, seen in its output code.)
+    # program's order. Both torch 2.11 and 2.13 reorder them (2.13's output code draws rand and bernoulli_ first).
     dpcompile.bucket_collectives(None)
     results = {}
     for schedule, form, compiler in runs:

@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import dpcompile
 import models as M
 from dpcompile.empty_conv_backward import weight_format
 from helpers import check_one_graph_against_reference
@@ -61,9 +60,9 @@ class ChannelsLastDown(nn.Module):
 def test_a_step_runs_with_no_samples_after_one_with_samples(schedule, conv_norm):
     torch.manual_seed(0)
     x, y = torch.randn(5, 3, 8, 8), torch.randn(5, 3)
-    dpcompile.mark_batch(x, y)
     model = ChannelsLastDown()
-    # one graph for both batch sizes: exact with samples, zero gradients with none (no noise here)
+    # one graph for both batch sizes (the helper marks each batch): exact with samples, zero gradients with none
+    # (no noise here)
     backend = check_one_graph_against_reference(model, M.mse, [(x, y), (x[:0], y[:0])], schedule=schedule,
                                                 compiler="inductor", conv_norm=conv_norm)
     (rec,) = [r for r in backend.compiled if r.dp]

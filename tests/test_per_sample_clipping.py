@@ -36,9 +36,18 @@ MODEL_VARIANTS_EXTENDED = ("gpt_kdim_ce", "gpt_frozen", "gpt_tied", "gpt_lora", 
 # Cases whose Inductor run (the same schedule, against the oracle) the default tier has in another test: checkpointed
 # (ghost) in test_graphs' test_kept_graph_texts_are_printed_when_read_as_they_were_when_kept
 INDUCTOR_ELSEWHERE = ("checkpointed",)
+# Cases whose layers the default tier lowers through Inductor in other cases, with the unbacked batch as well
+# (gpt, llama, hf_gpt2 here; hf_llama sharded; test_unbacked_batch_one_graph_for_every_size's Llama): plain
+# Linear layers on 2-D, 3-D and 4-D inputs, embeddings (padding_idx is dpcompile's rewrite), and weights used
+# twice, whose cross terms hf_gpt2's tied head lowers (tied_blocks, shared_weights), and a loss variant
+# (one_hot_targets). What sets each apart is dpcompile's rewrite, which its op-by-op run checks (CI time: 8-22 s
+# each on a loaded 2-core machine)
+LOWERED_ELSEWHERE = ("mlp_2d", "linear_2d_no_bias", "linear_3d", "linear_4d", "embedding", "embedding_padding",
+                     "tied_blocks", "shared_weights", "one_hot_targets")
 _MATCH_PARAMS = [p for case, schedule, compiler in MATCH_RUNS for p in (
     [pytest.param(case, schedule, compiler, marks=extended), (case, schedule, "eager_standin")]
-    if compiler == "inductor" and case in INDUCTOR_EXTENDED + MODEL_VARIANTS_EXTENDED + INDUCTOR_ELSEWHERE
+    if compiler == "inductor" and case in (INDUCTOR_EXTENDED + MODEL_VARIANTS_EXTENDED + INDUCTOR_ELSEWHERE
+                                           + LOWERED_ELSEWHERE)
     else [(case, schedule, compiler)])]
 
 
@@ -264,13 +273,17 @@ def test_linear_norm_algorithms_agree(algo):
     assert backend.compiled[0].counters[f"norm_mm_{algo}"] == 2
 
 
-@pytest.mark.parametrize("algo", ["ghost", "direct"])
-def test_per_head_weight_norm_forms(algo):
+# direct op by op (per_head_weights' bk Inductor run in test_matches_reference takes the form auto picks), its
+# Inductor run the extended tier (tests/tiers.py; CI time)
+@pytest.mark.parametrize("algo,compiler", [("ghost", "inductor"), ("direct", "eager"),
+                                           pytest.param("direct", "inductor", marks=extended)])
+def test_per_head_weight_norm_forms(algo, compiler):
     """Per-head weights (a batched matmul's weight gradient, H products per sample): each norm form, over the
     B * H (sample, head) pairs, summed per sample; one row per sample and head takes the rank-one form."""
     c = CASES["per_head_weights"]
     inputs, targets = c.data(4)
-    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="bk", linear_norm=algo)
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="bk", linear_norm=algo,
+                                      compiler=compiler)
     counters = backend.compiled[0].counters
     assert counters[f"norm_bmm_{algo}"] == 2 and counters["norm_bmm_rank_one"] == 1, counters
 
@@ -336,7 +349,10 @@ def test_a_ratio_of_batch_multiples_is_its_value_on_an_empty_batch(compiler):
         assert sum(cpp_size_questions.ANSWERS.values()) > answered
 
 
-@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), ("ghost", "inductor"), ("bk", "eager")])
+# ghost through Inductor: the extended tier (tests/tiers.py; CI time): the unbacked batch's lowering is bk's
+# here, and every layer kind's in test_matches_reference
+@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), ("ghost", "eager"), ("bk", "eager"),
+                                               pytest.param("ghost", "inductor", marks=extended)])
 def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
     """Batch dims marked with dpcompile.mark_batch (one unbacked size shared by ids and targets) and a
     model with view(B, T, H, -1): one graph runs B = 3, 0, 1, 4 exactly (B = 0: a zero gradient), also
@@ -360,10 +376,12 @@ def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
 
 
 # The per-sample norms are the same pass in both schedules: each norm form runs with one of them (CI time), the
-# other pairing in test_large_norm_intermediates_are_computed_in_blocks
-@pytest.mark.parametrize("schedule,linear_norm,T,d,at_least", [("bk", "direct", 8, 128, 3),
-                                                                ("ghost", "ghost", 256, 16, 4)])
-def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d, at_least, monkeypatch):
+# other pairing in test_large_norm_intermediates_are_computed_in_blocks. The split is dpcompile's rewrite: one
+# form through Inductor's code, the other op by op, its Inductor run the extended tier (tests/tiers.py; CI time)
+@pytest.mark.parametrize("schedule,linear_norm,T,d,at_least,compiler", [
+    ("bk", "direct", 8, 128, 3, "inductor"), ("ghost", "ghost", 256, 16, 4, "eager"),
+    pytest.param("ghost", "ghost", 256, 16, 4, "inductor", marks=extended)])
+def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d, at_least, compiler, monkeypatch):
     """Per-sample tensors of 2**16 elements or more are summed in two stages (Inductor cannot split a sum to
     an unbacked [B]): direct weight gradients (the 4d x d MLP's among them), or the
     T x T Gram matrices of the ghost norms of every Linear and the position embedding (their graph form: the
@@ -375,13 +393,16 @@ def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d,
     model = M.GPT(vocab=520, d=d, n_head=2, n_layer=1, max_t=T, tied=True)
     ids, y = _ids(4, T, 520), _ids(4, T, 520)
     dpcompile.mark_batch(ids, y)
-    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, linear_norm=linear_norm)
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, linear_norm=linear_norm,
+                                      compiler=compiler)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters["per_sample_two_stage_sums"] >= at_least
 
 
-@pytest.mark.parametrize("schedule,linear_norm", [("ghost", "direct"), ("bk", "ghost")])
-def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, monkeypatch):
+# (one form through Inductor's code, the other op by op, its Inductor run the extended tier, as above)
+@pytest.mark.parametrize("schedule,linear_norm,compiler", [("ghost", "direct", "eager"), ("bk", "ghost", "inductor"),
+                                                           pytest.param("ghost", "direct", "inductor", marks=extended)])
+def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, compiler, monkeypatch):
     """A per-sample norm whose [B, p, m] (direct) or [B, S, S] (ghost) intermediate would exceed
     NORM_BLOCK_BYTES at the expected batch size is summed over blocks: of the larger feature dim (the MLP's
     fc has m > p, its proj p > m, the tied head V > d) or of the Gram matrices' rows (their graph form; the
@@ -393,14 +414,18 @@ def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, 
     torch.manual_seed(0)
     model = M.GPT(vocab=40, d=8, n_head=2, n_layer=1, max_t=8)
     ids, y = _ids(5, 8, 40), _ids(5, 8, 40)
-    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, linear_norm=linear_norm)
+    backend = check_against_reference(model, M.seq_ce, (ids,), (y,), schedule=schedule, linear_norm=linear_norm,
+                                      compiler=compiler)
     (record,) = [r for r in backend.compiled if r.dp]
     blocked = [e["why"] for e in record.summary["params"].values() if "blocks" in e.get("why", "")]
     assert record.counters["norm_blocks"] >= 2 * len(blocked) and len(blocked) >= 4, record.summary["params"]
 
 
-@pytest.mark.parametrize("case", ["gpt", "hf_gpt2"])
-def test_ghost_second_backward_recomputes_the_logits(case, monkeypatch):
+# gpt op by op: its recomputed logits go through Inductor sharded (test_fsdp's matrix, gpt ghost +recompute);
+# its Inductor run here is the extended tier (tests/tiers.py; CI time)
+@pytest.mark.parametrize("case,compiler", [("gpt", "eager"), ("hf_gpt2", "inductor"),
+                                           pytest.param("gpt", "inductor", marks=extended)])
+def test_ghost_second_backward_recomputes_the_logits(case, compiler, monkeypatch):
     """The ghost second backward recomputes a large forward value made by a contraction (the log-softmax of
     the LM head's logits) instead of keeping it through the first backward; with two bad samples (NaN
     input, inf weight) dropped and the rest clipped, exact. The recomputed chain runs in the backward."""
@@ -410,7 +435,7 @@ def test_ghost_second_backward_recomputes_the_logits(case, monkeypatch):
     monkeypatch.setattr(SBR, "RECOMPUTE_MIN_RATIO", 1)  # and a vocabulary narrower than 8x the width
     c = with_bad_samples(CASES[case])
     inputs, targets = c.data(6)
-    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="ghost")
+    backend = check_against_reference(c.model(), c.loss, inputs, targets, schedule="ghost", compiler=compiler)
     (record,) = [r for r in backend.compiled if r.dp]
     assert record.counters.get("second_backward_recomputed_contractions", 0) >= 1, record.counters
     assert record.summary["second_backward_recompute"], record.summary
@@ -493,8 +518,10 @@ def test_weight_used_through_two_slices(schedule):
     check_against_reference(model, M.mse, inputs, targets, schedule=schedule)
 
 
-@pytest.mark.parametrize("schedule", ["bk", "ghost"])
-def test_dropped_samples_are_counted_and_a_lone_bad_sample_gives_zero(schedule):
+# ghost op by op, its Inductor run the extended tier (tests/tiers.py): the drop is dpcompile's rewrite (CI time)
+@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), ("ghost", "eager"),
+                                               pytest.param("ghost", "inductor", marks=extended)])
+def test_dropped_samples_are_counted_and_a_lone_bad_sample_gives_zero(schedule, compiler):
     """backend.dropped_samples() counts the samples whose gradient was not finite since its last call; a
     batch of one bad sample (the whole-gradient path) and a batch of only bad samples give exact zeros."""
     from helpers import compile_step
@@ -502,7 +529,7 @@ def test_dropped_samples_are_counted_and_a_lone_bad_sample_gives_zero(schedule):
     torch.manual_seed(0)
     model = M.MLP()
     compiled, backend = compile_step(model, M.ce, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
-                                     schedule=schedule)
+                                     schedule=schedule, compiler=compiler)
     x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
     x[3] = float("nan")
     compiled((x,), (y,))

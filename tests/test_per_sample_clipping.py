@@ -34,16 +34,20 @@ INDUCTOR_EXTENDED = ("recurrent", "reparametrised", "vision_blocks", "sorted_exp
 # blocks. Their Inductor runs are the extended tier too (CI time: 35-46 s each on a loaded 2-core machine)
 MODEL_VARIANTS_EXTENDED = ("gpt_kdim_ce", "gpt_frozen", "gpt_tied", "gpt_lora", "llama_sum", "hf_llama")
 # Cases whose Inductor run (the same schedule, against the oracle) the default tier has in another test: checkpointed
-# (ghost) in test_graphs' test_kept_graph_texts_are_printed_when_read_as_they_were_when_kept
-INDUCTOR_ELSEWHERE = ("checkpointed",)
+# (ghost) in test_graphs' test_kept_graph_texts_are_printed_when_read_as_they_were_when_kept, sample_indexed (bk, the
+# unbacked batch) in test_exact_with_inductors_collective_reordering
+INDUCTOR_ELSEWHERE = ("checkpointed", "sample_indexed")
 # Cases whose layers the default tier lowers through Inductor in other cases, with the unbacked batch as well
 # (gpt, llama, hf_gpt2 here; hf_llama sharded; test_unbacked_batch_one_graph_for_every_size's Llama): plain
 # Linear layers on 2-D, 3-D and 4-D inputs, embeddings (padding_idx is dpcompile's rewrite), and weights used
-# twice, whose cross terms hf_gpt2's tied head lowers (tied_blocks, shared_weights), and a loss variant
-# (one_hot_targets). What sets each apart is dpcompile's rewrite, which its op-by-op run checks (CI time: 8-22 s
-# each on a loaded 2-core machine)
+# twice, whose cross terms hf_gpt2's tied head lowers (tied_blocks, shared_weights), a loss variant
+# (one_hot_targets), HF's Conv1D (hf_gpt2's, bk), the padding mask (hf_llama's, sharded; this case's bk at a batch of
+# one in test_batch_of_one) and a kept state (bk: test_a_weight_clamped_in_the_forward_gets_the_losss_gradient).
+# What sets each apart is dpcompile's rewrite, which its op-by-op run checks (CI time: 8-22 s each on a loaded
+# 2-core machine)
 LOWERED_ELSEWHERE = ("mlp_2d", "linear_2d_no_bias", "linear_3d", "linear_4d", "embedding", "embedding_padding",
-                     "tied_blocks", "shared_weights", "one_hot_targets")
+                     "tied_blocks", "shared_weights", "one_hot_targets", "conv1d_addmm", "attention_padding_mask",
+                     "kept_state")
 _MATCH_PARAMS = [p for case, schedule, compiler in MATCH_RUNS for p in (
     [pytest.param(case, schedule, compiler, marks=extended), (case, schedule, "eager_standin")]
     if compiler == "inductor" and case in (INDUCTOR_EXTENDED + MODEL_VARIANTS_EXTENDED + INDUCTOR_ELSEWHERE

@@ -11,6 +11,7 @@ import dpcompile
 import models as M
 from cases import CASES
 from helpers import assert_bf16_close, check_against_reference, clipped_on
+from tiers import extended
 
 # transformers' grouped_mm_fallback (fp32) in a training step needs its backward op (models.grouped_fallback_traceable)
 needs_fallback_backward = pytest.mark.skipif(
@@ -31,15 +32,17 @@ def test_grouped_weight_norm_forms(algo):
 
 
 @needs_fallback_backward
-@pytest.mark.parametrize("batch", [1, 5])
-def test_one_graph_for_every_batch_size_and_a_batch_of_one(batch):
+# the batch of one op by op, its Inductor run the extended tier (tests/tiers.py; CI time): the grouped matmuls'
+# lowering is the symbolic batch's here, and the clipping of a whole gradient dpcompile's rewrite
+@pytest.mark.parametrize("batch,compiler", [(1, "eager"), (5, "inductor"), pytest.param(1, "inductor", marks=extended)])
+def test_one_graph_for_every_batch_size_and_a_batch_of_one(batch, compiler):
     """Sorted rows with the batch size a symbol (dpcompile.mark_batch: the sharded step's form) and at a static
     batch of one."""
     c = CASES["sorted_experts"]
     inputs, targets = c.data(batch)
     if batch > 1:
         dpcompile.mark_batch(*inputs, *targets)
-    check_against_reference(c.model(), c.loss, inputs, targets, schedule="ghost")
+    check_against_reference(c.model(), c.loss, inputs, targets, schedule="ghost", compiler=compiler)
 
 
 class GatheredSortedExperts(nn.Module):

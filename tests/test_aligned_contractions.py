@@ -12,7 +12,7 @@ from dpcompile.passes import aligned_contractions as AC
 from dpcompile.passes.cleanup import finalize
 from helpers import check_against_reference
 from cases import LAYER_CASES
-from tiers import extended
+from tiers import extended, op_by_op_here
 
 aten = torch.ops.aten
 
@@ -206,7 +206,7 @@ def test_readers_that_need_the_values_layout_keep_it():
 # each schedule once tied and once not, bk tied through Inductor and ghost op by op (the sharing is dpcompile's
 # rewrite; CI time); the other pairings and ghost's Inductor run are the extended tier (tests/tiers.py)
 @pytest.mark.parametrize("schedule,tied,compiler", [
-    ("bk", True, "inductor"), ("ghost", False, "eager"), pytest.param("ghost", False, "inductor", marks=extended),
+    ("bk", True, "inductor"), *op_by_op_here("ghost", False),
     pytest.param("bk", False, "inductor", marks=extended), pytest.param("ghost", True, "inductor", marks=extended)])
 def test_computed_padded_values_give_the_exact_gradients(schedule, tied, compiler, monkeypatch):
     """The sharing at work on a GPT (logits gradient, attention and MLP gradients all computed padded; tied: the

@@ -9,7 +9,7 @@ import cases
 import models as M
 from cases import BATCH_MEANS, CASES, bad_samples, check_case_invariants, ids as _ids, with_bad_samples
 from helpers import check_against_reference, check_batches_against_reference, compile_step
-from tiers import extended
+from tiers import extended, op_by_op_here
 
 
 # Every case with both schedules; one of the two through Inductor's generated code, the other op by op
@@ -279,8 +279,7 @@ def test_linear_norm_algorithms_agree(algo):
 
 # direct op by op (per_head_weights' bk Inductor run in test_matches_reference takes the form auto picks), its
 # Inductor run the extended tier (tests/tiers.py; CI time)
-@pytest.mark.parametrize("algo,compiler", [("ghost", "inductor"), ("direct", "eager"),
-                                           pytest.param("direct", "inductor", marks=extended)])
+@pytest.mark.parametrize("algo,compiler", [("ghost", "inductor"), *op_by_op_here("direct")])
 def test_per_head_weight_norm_forms(algo, compiler):
     """Per-head weights (a batched matmul's weight gradient, H products per sample): each norm form, over the
     B * H (sample, head) pairs, summed per sample; one row per sample and head takes the rank-one form."""
@@ -355,8 +354,7 @@ def test_a_ratio_of_batch_multiples_is_its_value_on_an_empty_batch(compiler):
 
 # ghost through Inductor: the extended tier (tests/tiers.py; CI time): the unbacked batch's lowering is bk's
 # here, and every layer kind's in test_matches_reference
-@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), ("ghost", "eager"), ("bk", "eager"),
-                                               pytest.param("ghost", "inductor", marks=extended)])
+@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), ("bk", "eager"), *op_by_op_here("ghost")])
 def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
     """Batch dims marked with dpcompile.mark_batch (one unbacked size shared by ids and targets) and a
     model with view(B, T, H, -1): one graph runs B = 3, 0, 1, 4 exactly (B = 0: a zero gradient), also
@@ -383,8 +381,7 @@ def test_unbacked_batch_one_graph_for_every_size(schedule, compiler):
 # other pairing in test_large_norm_intermediates_are_computed_in_blocks. The split is dpcompile's rewrite: one
 # form through Inductor's code, the other op by op, its Inductor run the extended tier (tests/tiers.py; CI time)
 @pytest.mark.parametrize("schedule,linear_norm,T,d,at_least,compiler", [
-    ("bk", "direct", 8, 128, 3, "inductor"), ("ghost", "ghost", 256, 16, 4, "eager"),
-    pytest.param("ghost", "ghost", 256, 16, 4, "inductor", marks=extended)])
+    ("bk", "direct", 8, 128, 3, "inductor"), *op_by_op_here("ghost", "ghost", 256, 16, 4)])
 def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d, at_least, compiler, monkeypatch):
     """Per-sample tensors of 2**16 elements or more are summed in two stages (Inductor cannot split a sum to
     an unbacked [B]): direct weight gradients (the 4d x d MLP's among them), or the
@@ -404,8 +401,8 @@ def test_large_per_sample_tensors_sum_in_two_stages(schedule, linear_norm, T, d,
 
 
 # (one form through Inductor's code, the other op by op, its Inductor run the extended tier, as above)
-@pytest.mark.parametrize("schedule,linear_norm,compiler", [("ghost", "direct", "eager"), ("bk", "ghost", "inductor"),
-                                                           pytest.param("ghost", "direct", "inductor", marks=extended)])
+@pytest.mark.parametrize("schedule,linear_norm,compiler", [("bk", "ghost", "inductor"),
+                                                           *op_by_op_here("ghost", "direct")])
 def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, compiler, monkeypatch):
     """A per-sample norm whose [B, p, m] (direct) or [B, S, S] (ghost) intermediate would exceed
     NORM_BLOCK_BYTES at the expected batch size is summed over blocks: of the larger feature dim (the MLP's
@@ -427,8 +424,7 @@ def test_large_norm_intermediates_are_computed_in_blocks(schedule, linear_norm, 
 
 # gpt op by op: its recomputed logits go through Inductor sharded (test_fsdp's matrix, gpt ghost +recompute);
 # its Inductor run here is the extended tier (tests/tiers.py; CI time)
-@pytest.mark.parametrize("case,compiler", [("gpt", "eager"), ("hf_gpt2", "inductor"),
-                                           pytest.param("gpt", "inductor", marks=extended)])
+@pytest.mark.parametrize("case,compiler", [("hf_gpt2", "inductor"), *op_by_op_here("gpt")])
 def test_ghost_second_backward_recomputes_the_logits(case, compiler, monkeypatch):
     """The ghost second backward recomputes a large forward value made by a contraction (the log-softmax of
     the LM head's logits) instead of keeping it through the first backward; with two bad samples (NaN
@@ -523,8 +519,7 @@ def test_weight_used_through_two_slices(schedule):
 
 
 # ghost op by op, its Inductor run the extended tier (tests/tiers.py): the drop is dpcompile's rewrite (CI time)
-@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), ("ghost", "eager"),
-                                               pytest.param("ghost", "inductor", marks=extended)])
+@pytest.mark.parametrize("schedule,compiler", [("bk", "inductor"), *op_by_op_here("ghost")])
 def test_dropped_samples_are_counted_and_a_lone_bad_sample_gives_zero(schedule, compiler):
     """backend.dropped_samples() counts the samples whose gradient was not finite since its last call; a
     batch of one bad sample (the whole-gradient path) and a batch of only bad samples give exact zeros."""

@@ -11,7 +11,7 @@ import dpcompile
 import models as M
 from cases import CASES
 from helpers import assert_bf16_close, check_against_reference, clipped_on
-from tiers import extended
+from tiers import op_by_op_here
 
 # transformers' grouped_mm_fallback (fp32) in a training step needs its backward op (models.grouped_fallback_traceable)
 needs_fallback_backward = pytest.mark.skipif(
@@ -34,7 +34,7 @@ def test_grouped_weight_norm_forms(algo):
 @needs_fallback_backward
 # the batch of one op by op, its Inductor run the extended tier (tests/tiers.py; CI time): the grouped matmuls'
 # lowering is the symbolic batch's here, and the clipping of a whole gradient dpcompile's rewrite
-@pytest.mark.parametrize("batch,compiler", [(1, "eager"), (5, "inductor"), pytest.param(1, "inductor", marks=extended)])
+@pytest.mark.parametrize("batch,compiler", [(5, "inductor"), *op_by_op_here(1)])
 def test_one_graph_for_every_batch_size_and_a_batch_of_one(batch, compiler):
     """Sorted rows with the batch size a symbol (dpcompile.mark_batch: the sharded step's form) and at a static
     batch of one."""

@@ -35,5 +35,11 @@ extended = pytest.mark.extended
 REASON = "extended tier (the default tier runs this path in another parametrisation): python -m pytest --extended"
 
 
+def op_by_op_here(*values) -> list:
+    """A parametrisation the default tier runs op by op while its Inductor run is the extended tier's (the rules
+    above): its values with compiler "eager", and with "inductor" marked extended (compiler the last argument)."""
+    return [(*values, "eager"), pytest.param(*values, "inductor", marks=extended)]
+
+
 def extended_tier() -> bool:
     return os.environ.get(ENV) == "1"

@@ -11,7 +11,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import kernel_batches  # noqa: E402
 import tiers  # noqa: E402
+
+kernel_batches.install()  # CI time: one g++ run per generated module (kernel_batches.py)
 
 
 def _keep_pytest_off_torchs_trace_log() -> None:

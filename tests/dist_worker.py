@@ -16,8 +16,11 @@ from torch.distributed.tensor import Shard
 
 import cases
 import dpcompile
+import kernel_batches
 import models as M
 from reference import clip_and_sum, dp_reference, per_sample_gradients
+
+kernel_batches.install()  # the ranks' kernels built as the pytest process's are (kernel_batches.py)
 
 
 _SHARED_GROUP = [False]  # dist_worker.jobs is running: one process group for all of its test bodies

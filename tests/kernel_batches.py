@@ -7,7 +7,8 @@ own code; the default tier builds some 1500 kernels in 350 modules. Here the ker
 kernel runs): each kernel's code as Inductor generated it, in a namespace of its own, and one Python entry per
 kernel. What the kernels compute and how the module calls them are Inductor's; only how they are packed into
 shared libraries differs. A kernel whose code has anything a shared translation unit could mix up (another
-include, a macro, an entry point not in the expected form) is built as Inductor builds it.
+include, a macro, an entry point not in the expected form) is built as Inductor builds it, and so is every kernel
+of a module whose shared build fails.
 
 ``DPCOMPILE_TEST_KERNEL_BATCHES=0`` builds every kernel as Inductor does."""
 from __future__ import annotations
@@ -36,8 +37,12 @@ class _Batch:
         if self.functions is None:
             from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-            module = CppPythonBindingsCodeCache.load(translation_unit(self.kernels), "cpu")
-            self.functions = [getattr(module, f"kernel_{i}") for i in range(len(self.kernels))]
+            try:
+                module = CppPythonBindingsCodeCache.load(translation_unit(self.kernels), "cpu")
+                self.functions = [getattr(module, f"kernel_{i}") for i in range(len(self.kernels))]
+            except Exception:  # noqa: BLE001 - kernels that do not build together: each as Inductor builds it
+                self.functions = [CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+                                  for argtypes, source in self.kernels]
         return self.functions[index]
 
 

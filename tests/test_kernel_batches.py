@@ -52,3 +52,18 @@ def test_a_modules_kernels_are_built_once_together_and_compute_what_eager_does(m
     torch.testing.assert_close(out, f(x, w, 3))
     assert len(builds) == 1, builds  # one build held the module's kernels
     assert "namespace k1 " in builds[0] and builds[0].count("k0::kernel(") == 1 and "PyInit_kernel" in builds[0]
+
+
+def test_kernels_that_do_not_build_together_are_built_one_by_one():
+    """A shared build that fails (here: two kernels whose code defines the same C symbol) falls back to Inductor's
+    build of each kernel, which runs."""
+    clash = SOURCE.replace("extern \"C\"  void  kernel", 'extern "C" int clash_symbol = 1;\nextern "C"  void  kernel')
+    batch = kernel_batches._Batch()
+    first, second = batch.add(["const float*", "float*", "const int64_t"], clash), \
+        batch.add(["const float*", "float*", "const int64_t"], clash.replace("+ 1.0f", "+ 2.0f"))
+    x, out = torch.arange(4.0), torch.zeros(4)
+    first(x, out, 4)
+    torch.testing.assert_close(out, x + 1)
+    second(x, out, 4)
+    torch.testing.assert_close(out, x + 2)
+    assert [f.__name__ for f in batch.functions] == ["kernel", "kernel"]  # Inductor's entries, not kernel_<i>

@@ -69,12 +69,16 @@ def batchable(argtypes: list[str], source: str) -> bool:
         return False
     if len(_ENTRY.findall(body)) != 1:
         return False
-    return all(t.replace("const ", "").strip().endswith("*") or t.replace("const ", "").strip() in _C_TYPES
-               for t in argtypes)
+    return all(_bare(t).endswith("*") or _bare(t) in _C_TYPES for t in argtypes)
+
+
+def _bare(argtype: str) -> str:
+    """An argument type without its const (the binding passes both alike)."""
+    return argtype.replace("const ", "").strip()
 
 
 def _argument(argtype: str, n: int) -> str:
-    t = argtype.replace("const ", "").strip()
+    t = _bare(argtype)
     if t.endswith("*"):
         return f"static_cast<{t}>(tensor_data(PyTuple_GET_ITEM(args, {n})))"
     if t in ("float", "double"):

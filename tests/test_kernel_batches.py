@@ -36,6 +36,7 @@ def test_a_modules_kernels_are_built_once_together_and_compute_what_eager_does(m
     kernel_batches.install()  # (conftest did; a second call changes nothing)
     builds = []
     load = CppPythonBindingsCodeCache.load
+
     def counted(cls, code, *args, **kwargs):
         builds.append(code)
         return load.__func__(cls, code, *args, **kwargs)

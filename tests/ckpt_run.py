@@ -89,9 +89,9 @@ def train(directory, steps, mesh=None, die_saving_at=None, log=print, compiler="
 
 
 if __name__ == "__main__":
-    import kernel_batches
+    import ci_time
 
-    kernel_batches.install()  # as in the test processes (CI time: kernel_batches.py)
+    ci_time.install()  # as in the test processes (CI time: ci_time.py)
     torch.set_num_threads(1)  # the same float sums in every run
     directory, steps = sys.argv[1], int(sys.argv[2])
     opts = dict(zip(sys.argv[3::2], (int(v) for v in sys.argv[4::2])))

@@ -15,12 +15,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import cases
+import ci_time
 import dpcompile
-import kernel_batches
 import models as M
 from reference import clip_and_sum, dp_reference, per_sample_gradients
 
-kernel_batches.install()  # the ranks' kernels built as the pytest process's are (kernel_batches.py)
+ci_time.install()  # the ranks compile as the pytest process does (ci_time.py)
 
 
 _SHARED_GROUP = [False]  # dist_worker.jobs is running: one process group for all of its test bodies

@@ -11,7 +11,7 @@ import sys
 import torch
 
 import dpcompile
-from reference import dp_reference
+from reference import clip_and_sum, dp_reference, per_sample_gradients
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # (major, minor)
 
@@ -36,16 +36,15 @@ def check_against_reference(model, per_sample_loss, inputs, targets, *, schedule
     layer that vmap can run)."""
     B = inputs[0].shape[0]
     ref_model = model if oracle is None else oracle
-    _, norms = dp_reference(ref_model, per_sample_loss, inputs, targets, max_grad_norm=1.0, reduction=reduction,
-                            expected_batch_size=B)
+    grads = per_sample_gradients(ref_model, per_sample_loss, inputs, targets)  # one oracle call for both sums
+    _, norms = clip_and_sum(grads, max_grad_norm=1.0, reduction=reduction, expected_batch_size=B)
     finite = norms[norms.isfinite()]
     # both sides drop a sample whose gradient is not finite: with every one dropped the check compares nothing
     assert len(finite) or B == 0, f"the reference gradient of every sample is not finite: {norms}"
     C = float(finite.median()) if len(finite) > 1 else float(finite[0]) * 0.5 if len(finite) else 1.0
     if len(finite) > 1:
         assert (norms > C).any() and (norms < C).any(), norms
-    ref, _ = dp_reference(ref_model, per_sample_loss, inputs, targets, max_grad_norm=C, reduction=reduction,
-                          expected_batch_size=B + 1)
+    ref, _ = clip_and_sum(grads, max_grad_norm=C, reduction=reduction, expected_batch_size=B + 1)
     model.zero_grad(set_to_none=True)
     step, backend = compile_step(model, per_sample_loss, reduction=reduction, max_grad_norm=C, noise_multiplier=0.0,
                                  expected_batch_size=B + 1, schedule=schedule, **extra)
@@ -123,9 +122,10 @@ def clipped_on(device, model, loss, inputs, targets, oracle=None, **options):
     """The fp64 oracle (C = median norm, clipping active) and dp_fsdp's step on a copy of ``model`` on
     ``device``: (oracle gradients, the copy, its backend). ``oracle``: as check_against_reference's."""
     ref_model = model if oracle is None else oracle
-    _, norms = dp_reference(ref_model, loss, inputs, targets, max_grad_norm=1.0, expected_batch_size=4)
+    grads = per_sample_gradients(ref_model, loss, inputs, targets)
+    _, norms = clip_and_sum(grads, max_grad_norm=1.0, expected_batch_size=4)
     C = float(norms.median())
-    ref, _ = dp_reference(ref_model, loss, inputs, targets, max_grad_norm=C, expected_batch_size=5)
+    ref, _ = clip_and_sum(grads, max_grad_norm=C, expected_batch_size=5)
     dp = copy.deepcopy(model).to(device)
     backend = dpcompile.DPBackend(max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=5, **options)
 

@@ -18,7 +18,8 @@ import tiers
 # CPU importing them, some 17 spawns of 2-4 ranks each). "spawn" (DPCOMPILE_TEST_RANKS_START=spawn): a fresh
 # interpreter per rank, as torchrun starts them: each with its own string hash seed and address layout, so a set
 # iterated in another order on one rank shows up as ranks that disagree. benchmarks/gpu_tests.sh runs the suite
-# that way; the NCCL tests and the compile cache's restarts (a restart is a new process) always spawn.
+# that way; the NCCL tests and the compile cache's restarts (a restart is a new process) always spawn. The server
+# also does the once-per-process work of a rank's first compile (rank_preload.py).
 START_METHOD = os.environ.get("DPCOMPILE_TEST_RANKS_START", "forkserver")
 if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"DPCOMPILE_TEST_RANKS_START={START_METHOD!r}: use forkserver or spawn")
@@ -29,9 +30,10 @@ _SESSION_ENV = dict(os.environ)
 
 
 def _start_fork_server():
-    """The fork server (started unless it runs) with the session's environment; it imports dist_worker from
-    tests/ (multiprocessing passes it no sys.path: PYTHONPATH)."""
-    multiprocessing.set_forkserver_preload(["dist_worker"])
+    """The fork server (started unless it runs) with the session's environment; it imports rank_preload (the test
+    bodies and what a rank's first compile would repeat) from tests/ (multiprocessing passes it no sys.path:
+    PYTHONPATH)."""
+    multiprocessing.set_forkserver_preload(["rank_preload"])
     now = dict(os.environ)
     try:
         os.environ.clear()

@@ -104,6 +104,9 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
             "gathered_buckets_copied_out": sum(r.counters.get(gathered_copy_out.COUNTER, 0) for r in records),
             "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
                                    if k.startswith("autograd_cache")},
+            # where the first call went: torch's timed phases, and dpcompile's passes (anchors.py's columns)
+            "compile_phases": anchors.compile_phases(),
+            "dp_compile_seconds": anchors.dp_compile_seconds(step.compiled),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 
@@ -178,6 +181,8 @@ def main() -> None:
             print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms   "
                   f"kernels {row['kernels']}   copied-out buckets {row['gathered_buckets_copied_out']}   "
                   f"AOTAutograd cache {row['aot_autograd_cache']}", flush=True)
+            print(f"{'':12s} phases s: " + ", ".join(f"{k} {v}" for k, v in list(row["compile_phases"].items())[:8]),
+                  flush=True)
     print(f"\n{a.cache} caches, {shape}, {rows[0]['dtype']}, {rows[0]['device']}, torch {rows[0]['torch']}"
           + (f", rank 0 of {a.fake_ranks} (fake process group)" if a.fake_ranks else "")
           + (f", DP modes without {a.disable_passes}" if a.disable_passes else "")

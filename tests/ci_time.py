@@ -5,7 +5,7 @@ changes what a test checks.
   ``DPCOMPILE_TEST_KERNEL_BATCHES=0`` turns it off).
 - Dynamo does not profile the guards it builds. At every frame it compiles, torch flushes the CPU's caches and
   times one run of the new guards, for a metric (``guard_latency_us``) that nothing here reads: 30-55 ms a compile
-  on CI's 2 cores, about 2% of the default tier's CPU time (py-spy). The guards are still built and checked as
+  on CI's 2 cores, 1.2% of the default tier's CPU samples (py-spy). The guards are still built and checked as
   torch does (``GuardManager.check`` on the frame that made them). ``DPCOMPILE_TEST_GUARD_PROFILE=1`` keeps it."""
 import os
 

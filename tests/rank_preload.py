@@ -8,6 +8,8 @@ cached per process, and none depends on a setting a test changes: done in the se
 
 The patterns are built only by a torch without CUDA: on a CUDA build they are traced on the GPU, and a process
 forked after CUDA started cannot use it (the ranks of a GPU machine's run fork from this server too)."""
+import gc
+
 import torch
 from torch._inductor.codecache import torch_key
 from torch._inductor.fx_passes import joint_graph, post_grad
@@ -28,8 +30,6 @@ if not torch.backends.cuda.is_built():
 import opacus  # noqa: E402,F401 - dpcompile's accountant
 import transformers.models.gpt2.modeling_gpt2  # noqa: E402,F401 - the third-party cases (cases.py)
 import transformers.models.llama.modeling_llama  # noqa: E402,F401
-
-import gc  # noqa: E402
 
 # what the server holds stays out of the ranks' garbage collections: they would walk every object loaded above (and
 # touch, so copy, their forked pages) at each full collection

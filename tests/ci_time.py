@@ -6,20 +6,53 @@ changes what a test checks.
 - Dynamo does not profile the guards it builds. At every frame it compiles, torch flushes the CPU's caches and
   times one run of the new guards, for a metric (``guard_latency_us``) that nothing here reads: 30-55 ms a compile
   on CI's 2 cores, 1.2% of the default tier's CPU samples (py-spy). The guards are still built and checked as
-  torch does (``GuardManager.check`` on the frame that made them). ``DPCOMPILE_TEST_GUARD_PROFILE=1`` keeps it."""
+  torch does (``GuardManager.check`` on the frame that made them). ``DPCOMPILE_TEST_GUARD_PROFILE=1`` keeps it.
+- FX does not walk each new node's arguments for raw SymInts. torch 2.13's ``Graph.create_node`` flattens the
+  arguments of every node it creates (every node copied by the partitioner, every node a pass adds) only to warn
+  when one is a bare SymInt, a misuse nothing here commits: 2.3% of the default tier's CPU samples (py-spy of
+  10c7f14), the walk alone. Nodes are created as before. ``DPCOMPILE_TEST_SYMINT_WALK=1`` keeps it."""
 import os
 
 import kernel_batches
 
 GUARD_PROFILE_ENV = "DPCOMPILE_TEST_GUARD_PROFILE"
+SYMINT_WALK_ENV = "DPCOMPILE_TEST_SYMINT_WALK"
 
 
 def _no_guard_profile(*args, **kwargs) -> float:
     return 0.0
 
 
+class _PytreeWithoutArgWalk:
+    """torch.utils._pytree for torch.fx.graph, whose only ``tree_iter`` is create_node's walk for raw SymInts (its
+    generated code imports pytree itself): every other name is pytree's."""
+
+    def __init__(self, pytree):
+        self._pytree = pytree
+
+    def __getattr__(self, name):
+        return getattr(self._pytree, name)
+
+    @staticmethod
+    def tree_iter(tree, is_leaf=None):
+        return iter(())
+
+
+def _skip_raw_symint_walk() -> None:
+    import inspect
+
+    import torch.fx.graph as fx_graph
+
+    source = inspect.getsource(fx_graph)
+    if source.count("pytree.tree_iter(") != 1 or "pytree.tree_iter((args, kwargs))" not in source:
+        return  # another torch: its graph.py walks trees for something else too
+    fx_graph.pytree = _PytreeWithoutArgWalk(fx_graph.pytree)
+
+
 def install() -> None:
     kernel_batches.install()
+    if os.environ.get(SYMINT_WALK_ENV) != "1":
+        _skip_raw_symint_walk()
     if os.environ.get(GUARD_PROFILE_ENV) == "1":
         return
     import torch._dynamo.guards as guards

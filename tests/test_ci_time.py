@@ -54,3 +54,17 @@ def test_fx_creates_nodes_without_walking_their_arguments():
     xs, y = [torch.randn(2), torch.randn(2)], torch.randn(2)
     assert len(gm.graph._codegen.process_inputs(xs, y)) == 3  # pytree's arg_tree_leaves, through the shim
     torch.testing.assert_close(gm(xs, y), f(xs, y))
+
+
+def test_test_processes_run_one_intra_op_thread_unless_told_otherwise(monkeypatch):
+    """The conftest's install left this process, and everything it starts, with OMP_NUM_THREADS's thread count (1
+    unless the run was started with one); a count already set is kept."""
+    assert torch.get_num_threads() == int(os.environ[ci_time.THREADS_ENV])
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setenv(ci_time.THREADS_ENV, "3")
+    ci_time.install()
+    assert calls == [] and os.environ[ci_time.THREADS_ENV] == "3"
+    monkeypatch.delenv(ci_time.THREADS_ENV)
+    ci_time.install()
+    assert calls == [1] and os.environ[ci_time.THREADS_ENV] == "1"

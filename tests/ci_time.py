@@ -50,6 +50,8 @@ def _skip_raw_symint_walk() -> None:
 
     import torch.fx.graph as fx_graph
 
+    if isinstance(fx_graph.pytree, _PytreeWithoutArgWalk):
+        return  # installed before in this process
     source = inspect.getsource(fx_graph)
     if source.count("pytree.tree_iter(") != 1 or "pytree.tree_iter((args, kwargs))" not in source:
         return  # another torch: its graph.py walks trees for something else too

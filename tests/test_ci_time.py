@@ -43,6 +43,8 @@ def test_fx_creates_nodes_without_walking_their_arguments():
     if "pytree.tree_iter((args, kwargs))" not in inspect.getsource(fx_graph):
         pytest.skip("this torch's create_node does not walk its arguments")
     assert isinstance(fx_graph.pytree, ci_time._PytreeWithoutArgWalk)
+    ci_time.install()  # again: the same shim, not one around another
+    assert not isinstance(fx_graph.pytree._pytree, ci_time._PytreeWithoutArgWalk)
     assert list(fx_graph.pytree.tree_iter(([1, 2], {"a": 3}))) == []
 
     def f(xs, y):  # nested arguments; inputs given as a pytree

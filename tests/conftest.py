@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ci_time  # noqa: E402
 import tiers  # noqa: E402
 
-ci_time.install()  # CI time: one g++ run per generated module, no guard-latency profile (ci_time.py)
+ci_time.install()  # CI time only (ci_time.py: kernel batches, no guard profile or SymInt walk, one thread)
 
 
 def _keep_pytest_off_torchs_trace_log() -> None:

@@ -32,7 +32,6 @@ def test_guards_are_built_and_checked_without_their_latency_profile(monkeypatch)
     assert guards.profile_guard_manager is ci_time._no_guard_profile
 
 
-
 @pytest.mark.skipif(os.environ.get(ci_time.SYMINT_WALK_ENV) == "1", reason="FX's walk for raw SymInts kept")
 def test_fx_creates_nodes_without_walking_their_arguments():
     """create_node no longer walks the arguments and builds the same nodes; torch.fx.graph keeps every other

@@ -6,6 +6,7 @@ import sys
 import textwrap
 import unittest.mock
 
+import pytest
 import torch
 from expecttest import TestCase
 
@@ -380,3 +381,39 @@ class TestClippedRowSums(TestCase):
         cast_of = re.findall(r"convert_element_type\.default\((\w+),", text)
         self.assertEqual(len([a for a in cast_of if a.startswith("sum_")]), 1, cast_of)  # the whole clipped sum
         self.assertFalse(parts & set(cast_of), cast_of)
+
+
+@pytest.mark.parametrize("case,schedule", [("gpt", "bk"), ("conv_kinds", "ghost"), ("hf_gpt2", "ghost")])
+def test_a_step_compiled_to_its_loss_has_the_whole_steps_dp_graph(case, schedule):
+    """The tests' check_against_reference compiles the forward and loss only and calls loss.backward() on the
+    compiled loss (CI time: helpers.compile_step). Users compile the whole step, and dynamo ends its graph at
+    loss.backward(): the DP graphs at every stage, the counters and the gradients must be the same both ways,
+    or those tests would check a graph users never get."""
+    import cases
+
+    c = cases.CASES[case]
+    records, grads = [], []
+    for whole_step in (True, False):
+        torch.manual_seed(0)
+        inputs, targets = c.data(6)
+        model = c.model()
+        torch._dynamo.reset()
+        step, backend = compile_step(model, c.loss, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=7,
+                                     schedule=schedule, compiler="eager", whole_step=whole_step)
+        step(inputs, targets)
+        (record,) = [r for r in backend.compiled if r.dp]
+        records.append(record)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        assert len(backend.compiled) == (2 if whole_step else 1)  # the whole step's rest after the break
+    whole, loss_only = records
+    assert whole.compile_reason != loss_only.compile_reason  # a graph break, against a return
+    assert list(whole.graphs) == list(loss_only.graphs) and len(whole.graphs) >= 4, list(whole.graphs)
+    def text(graphs, stage):  # but for the source lines of the loss (helpers.py's two functions)
+        return re.sub(r"# File: .*helpers\.py:\d+ in (step|loss_of), ", "# File: helpers.py, ", graphs[stage])
+
+    for stage in whole.graphs:
+        assert text(whole.graphs, stage) == text(loss_only.graphs, stage), stage
+    assert whole.counters == loss_only.counters, (whole.counters, loss_only.counters)
+    assert sum(v for k, v in whole.counters.items() if k.startswith("norm_")) > 0, whole.counters
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name

@@ -21,8 +21,8 @@ def compile_step(model, per_sample_loss, *, reduction="mean", whole_step=True, *
     inside the compiled function; else only the forward and loss are compiled and the step calls
     ``loss.backward()`` on the compiled loss. The DP graph is the same either way (dynamo ends the whole step's
     graph at ``loss.backward()`` with the loss as its output; test_graphs checks that), but dynamo traces the
-    whole step's forward twice (it restarts the frame at the break) and compiles the non-DP rest after it: 25-45%
-    of an op-by-op compile of the test models (CI time)."""
+    whole step's forward twice (it restarts the frame at the break) and compiles the non-DP rest after it: about
+    40% of an op-by-op compile of gpt, llama or hf_gpt2 here (CI time; BENCHMARKS.md, eighty-first section)."""
     backend = dpcompile.DPBackend(**options)
     # the two functions spelled alike: dynamo names the graph's inputs and nodes after what the code reads
 

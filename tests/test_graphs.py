@@ -408,6 +408,7 @@ def test_a_step_compiled_to_its_loss_has_the_whole_steps_dp_graph(case, schedule
     whole, loss_only = records
     assert whole.compile_reason != loss_only.compile_reason  # a graph break, against a return
     assert list(whole.graphs) == list(loss_only.graphs) and len(whole.graphs) >= 4, list(whole.graphs)
+
     def text(graphs, stage):  # but for the source lines of the loss (helpers.py's two functions)
         return re.sub(r"# File: .*helpers\.py:\d+ in (step|loss_of), ", "# File: helpers.py, ", graphs[stage])
 

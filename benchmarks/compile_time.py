@@ -17,6 +17,7 @@ then measures a second process start on it (the restart of a job).
     python benchmarks/compile_time.py --shape llama:2x1024 --modes nonprivate,bk --cache warm --out ct.json
     python benchmarks/compile_time.py --inductor max_fusion_buffer_group_pairwise_attempts=16   # an Inductor setting
     python benchmarks/compile_time.py --fake-ranks 2 --dtype fp32   # sharded: rank 0 of 2, on one GPU
+    python benchmarks/compile_time.py --modes ghost --dp-option pause_gc=False   # a dpcompile option, DP modes
 
 ``--fake-ranks N`` compiles the step sharded with ``dpcompile.fully_shard`` (fully_shard's default bucketing) as
 rank 0 of an N-rank world, in one process on one device, on torch's fake process group: its collectives return
@@ -70,8 +71,9 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for fp32, as anchors.py's rows
     spec = dict(model=model_name, B=B, T=T, mode=mode, dtype=dtype or ("bf16" if device.type == "cuda" else "fp32"),
                 tiny=False, shard=bool(fake_ranks), llama_tied=False)
-    if disable_passes and anchors.MODES[mode][0] == "dpcompile":
-        spec["dp_options"] = {"disable_passes": tuple(disable_passes)}
+    if anchors.MODES[mode][0] == "dpcompile":
+        spec["dp_options"] = {**json.loads(os.environ.get("DPC_CT_DP_OPTIONS", "{}")),
+                              **({"disable_passes": tuple(disable_passes)} if disable_passes else {})}
     with device:
         model = anchors.build_model(spec)
     ids = torch.randint(0, anchors.MODEL_DIMS[model_name]["vocab"], (B, T + 1),
@@ -138,12 +140,17 @@ def main() -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 autocast on a GPU, fp32 on CPU")
     p.add_argument("--disable-passes", default="", metavar="NAMES",
                    help="comma-separated dpcompile passes the DP modes skip (the option disable_passes)")
+    p.add_argument("--dp-option", action="append", default=[], metavar="KEY=VALUE", dest="dp_options",
+                   help="a dpcompile option for the DP modes (a DPConfig field, e.g. pause_gc=False), VALUE a Python "
+                        "literal; repeatable, as anchors.py's")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.inductor:
         if any("=" not in x or ";" in x for x in a.inductor):
             raise SystemExit("--inductor takes KEY=VALUE (no ';')")
         os.environ["DPC_CT_INDUCTOR"] = ";".join(a.inductor)
+    if a.dp_options:
+        os.environ["DPC_CT_DP_OPTIONS"] = json.dumps(dict(anchors.parse_dp_option(x) for x in a.dp_options))
     off = list(filter(None, a.disable_passes.split(",")))
     if a.fake_ranks == 1 or a.fake_ranks < 0:
         raise SystemExit("--fake-ranks takes 2 or more (a one-rank mesh compiles no bucketed collectives)")
@@ -186,6 +193,7 @@ def main() -> None:
     print(f"\n{a.cache} caches, {shape}, {rows[0]['dtype']}, {rows[0]['device']}, torch {rows[0]['torch']}"
           + (f", rank 0 of {a.fake_ranks} (fake process group)" if a.fake_ranks else "")
           + (f", DP modes without {a.disable_passes}" if a.disable_passes else "")
+          + (f", DP options {'; '.join(a.dp_options)}" if a.dp_options else "")
           + (f", inductor {'; '.join(a.inductor)}" if a.inductor else ""))
     base = statistics.mean(r["first_call_s"] for r in rows if r["mode"] == "nonprivate") if "nonprivate" in modes else None
     for m in modes:
@@ -195,7 +203,8 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"command": sys.argv, "cache": a.cache, "shape": shape, "inductor": a.inductor,
-                       "fake_ranks": a.fake_ranks, "disable_passes": a.disable_passes, "rows": rows},
+                       "fake_ranks": a.fake_ranks, "disable_passes": a.disable_passes, "dp_options": a.dp_options,
+                       "rows": rows},
                       f, indent=1)
 
 

@@ -27,6 +27,7 @@ from dpcompile.accumulation import accumulating
 from dpcompile.batching import batch_sizes, forget_nonempty_axiom, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile import cacheable_dtensor_calls
+from dpcompile.compile_gc import gc_paused, with_gc_paused
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, source_hash, stable_mesh_keys)
 from dpcompile.compat import (cpp_wrapper_any_args, decompositions_for_one_sample, dtensor_calls_are_closures,
@@ -671,7 +672,8 @@ class DPBackend:
         # exceptions (fake-tensor ones); for us that would be a silently
         # non-private step. Every failure becomes a DPCompileError instead.
         try:
-            return self._compile(gm, example_inputs)
+            with gc_paused(self.config.pause_gc):  # compile_gc: the collector walks the compile's objects
+                return self._compile(gm, example_inputs)
         except (DPCompileError, DPValueError):
             raise
         except ValueError as e:
@@ -741,7 +743,7 @@ class DPBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs) -> Callable:
         from torch._guards import CompileContext
-        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         cid = CompileContext.current_compile_id()
         compile_id = str(cid) if cid is not None else str(len(self.compiled))
@@ -774,7 +776,8 @@ class DPBackend:
         dumper = GraphDumper(resolve_dump_dir(self.config.dump_dir), compile_id, _rank())
         record.graphs["dynamo"] = graph_snapshot(gm)
         dumper.dump("dynamo_graph", lambda: record.graphs["dynamo"])
-        inner = {} if self.config.compiler == "inductor" else {"inner_compile": run_graph_eagerly}
+        inner = {"inner_compile": run_graph_eagerly} if self.config.compiler != "inductor" \
+            else {"inner_compile": with_gc_paused(compile_fx_inner)} if self.config.pause_gc else {}
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
         distributed = any(gi.sharded or gi.tp for gi in inputs)  # collectives in the graphs
         codegen = self._codegen_patches(collectives=distributed, record=record)

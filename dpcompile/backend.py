@@ -27,7 +27,7 @@ from dpcompile.accumulation import accumulating
 from dpcompile.batching import batch_sizes, forget_nonempty_axiom, is_unbacked, require_unbacked_batch
 from dpcompile.buffer_reuse import count_refusals, install_phase_gated_reuse
 from dpcompile import cacheable_dtensor_calls
-from dpcompile.compile_gc import gc_paused, with_gc_paused
+from dpcompile.compile_gc import hold_full_collections, with_full_collections_held
 from dpcompile.compile_cache import (aot_cache_allowed, load_record, partitioner_key, rank_layout, record_key,
                                      save_record, source_hash, stable_mesh_keys)
 from dpcompile.compat import (cpp_wrapper_any_args, decompositions_for_one_sample, dtensor_calls_are_closures,
@@ -672,7 +672,7 @@ class DPBackend:
         # exceptions (fake-tensor ones); for us that would be a silently
         # non-private step. Every failure becomes a DPCompileError instead.
         try:
-            with gc_paused(self.config.pause_gc):  # compile_gc: the collector walks the compile's objects
+            with hold_full_collections(self.config.pause_gc):  # no full collection walks the compile (compile_gc)
                 return self._compile(gm, example_inputs)
         except (DPCompileError, DPValueError):
             raise
@@ -777,7 +777,7 @@ class DPBackend:
         record.graphs["dynamo"] = graph_snapshot(gm)
         dumper.dump("dynamo_graph", lambda: record.graphs["dynamo"])
         inner = {"inner_compile": run_graph_eagerly} if self.config.compiler != "inductor" \
-            else {"inner_compile": with_gc_paused(compile_fx_inner)} if self.config.pause_gc else {}
+            else {"inner_compile": with_full_collections_held(compile_fx_inner)} if self.config.pause_gc else {}
         refuse_cpp_wrapper_with_opaque_inputs(self.config.cpp_wrapper, inputs, example_inputs)  # DP or not
         distributed = any(gi.sharded or gi.tp for gi in inputs)  # collectives in the graphs
         codegen = self._codegen_patches(collectives=distributed, record=record)

@@ -20,6 +20,8 @@ So, for every frame dynamo compiles with a dp_fsdp backend:
   running as plain Python. Frames the step merely calls are left to dynamo: when one of them runs as plain
   Python, the step's own frame was split at the call, and the backend refuses the pieces (step_split).
   ``fullgraph=True`` already raises dynamo's own error.
+- Python's full garbage collections are held off while dynamo traces and compiles the frame, as the pause_gc
+  option says (compile_gc);
 - ``torch._dynamo.config.suppress_errors`` (a compile that fails runs the frame as plain Python) is off while
   dynamo compiles a DP step's frames: dpcompile's refusals reach the user instead of an eager, non-private run.
 """
@@ -35,6 +37,7 @@ import torch
 
 from dpcompile import eager_guard
 from dpcompile.compat import wrap_method_once
+from dpcompile.compile_gc import hold_full_collections
 from dpcompile.errors import DPCompileError
 from dpcompile.step_split import (_RESUME, GENERIC_ADVICE, PACKED_ADVICE, called_by_torch_compile, describe_break,
                                   frame_callers, packed_sequence_named, resumed_at)
@@ -84,7 +87,8 @@ def compile_dp_frames_strictly() -> None:
             if not _compiles_for_dp(self):
                 return original(self, frame, *args, **kwargs)
             _skip_this_wrapper(kwargs)
-            with dp_frame_settings():
+            # dynamo's trace of the frame, as well as the backend's compile, makes millions of objects
+            with dp_frame_settings(), hold_full_collections(_pause_gc(self)):
                 try:
                     return original(self, frame, *args, **kwargs)
                 except (Unsupported, UserError) as e:
@@ -121,6 +125,14 @@ def compile_dp_frames_strictly() -> None:
         return __call__
 
     wrap_method_once(convert_frame.ConvertFrame, "__call__", wrap_outer)
+
+
+def _pause_gc(convert: Any) -> bool:
+    """The pause_gc option of the dp_fsdp backend a frame converter compiles for."""
+    from dpcompile.backend import backend_of
+
+    backend = backend_of(getattr(convert, "_torchdynamo_orig_backend", None))
+    return backend is not None and backend.config.pause_gc
 
 
 def _compiles_for_dp(convert: Any) -> bool:

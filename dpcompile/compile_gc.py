@@ -4,15 +4,17 @@ A compile makes millions of long-lived Python objects (FX nodes, fake tensors, s
 and scheduler nodes). The collector's full collections walk every object of the process, and it starts one
 each time the objects that survived its young collections have grown by a quarter: in a GPT-2-small ghost step
 compiled sharded on CPU (torch 2.13), 16 full collections took 4.9 s of the compile and about 1,300 young ones
-1.3 s (BENCHMARKS.md, eighty-second section). The young collections stay on: they free the compile's
-short-lived cycles while their memory is still warm, which keeps the many small compiles of a test process
-as fast as before (turning the collector off altogether made them 3% slower). The full collections come back
-when the compile returns.
+1.3 s (BENCHMARKS.md, eighty-second section); with the hold, 7 full collections (2.2 s) were left, mostly
+before the compile. The young collections stay on: they free the compile's short-lived cycles while their
+memory is still warm. The full collections come back when the compile returns. Off by default: a test process's
+many small compiles ran 4-6% slower with the hold (3% with the collector off altogether), for reasons not
+found yet.
 
-Held off for the backend's compile of the step (AOTAutograd's trace, dpcompile's passes, the partition and the
-forward's Inductor compile) and for every graph Inductor compiles later (a backward compiled at the first
-backward). Explicit ``gc.collect()`` calls inside still run. Nested holds, a collector the user turned off and
-thresholds changed inside are left alone: a hold restores only what it changed itself.
+Held off while dynamo traces a DP step's frame and the backend compiles it (``step_frames``: AOTAutograd's
+trace, dpcompile's passes, the partition, the forward's Inductor compile), and for every graph Inductor
+compiles later (a backward compiled at the first backward). Explicit ``gc.collect()`` calls inside still
+run. Nested holds, a collector the user turned off and thresholds changed inside are left alone: a hold
+restores only what it changed itself.
 """
 from __future__ import annotations
 

@@ -42,11 +42,12 @@ def test_a_hold_leaves_the_collector_as_it_found_it():
 
 
 @pytest.mark.parametrize("batch", ["static", "unbacked"])
-def test_the_passes_and_both_inductor_compiles_run_with_full_collections_held_unless_asked_not_to(monkeypatch, batch):
+def test_the_trace_passes_and_inductor_run_with_full_collections_held_unless_told_not_to(monkeypatch, batch):
     """Dynamo's trace of the step, the partition (dpcompile's passes run in it) and every graph Inductor
-    generates code for run with full collections held off: the backward too, which AOTAutograd compiles at the first backward for a static batch and
-    with the forward for an unbacked one (its sizes saved for the backward). They are back after the step;
-    pause_gc=False leaves them on throughout; the gradients are the same bits either way."""
+    generates code for run with full collections held off: the backward too, which AOTAutograd compiles at the
+    first backward for a static batch and with the forward for an unbacked one (its sizes saved for the
+    backward). They are back after the step; pause_gc=False leaves them on throughout; the gradients are the
+    same bits either way."""
     seen: list[tuple[str, bool]] = []
     partition, codegen = partitioners.min_cut_rematerialization_partition, inductor_compile.fx_codegen_and_compile
 

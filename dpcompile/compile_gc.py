@@ -6,9 +6,8 @@ each time the objects that survived its young collections have grown by a quarte
 compiled sharded on CPU (torch 2.13), 16 full collections took 4.9 s of the compile and about 1,300 young ones
 1.3 s (BENCHMARKS.md, eighty-second section); with the hold, 7 full collections (2.2 s) were left, mostly
 before the compile. The young collections stay on: they free the compile's short-lived cycles while their
-memory is still warm. The full collections come back when the compile returns. Off by default: a test process's
-many small compiles ran 4-6% slower with the hold (3% with the collector off altogether), for reasons not
-found yet.
+memory is still warm. The full collections come back when the compile returns. On by default: the test
+suite's many small compiles ran as fast or faster with it (BENCHMARKS.md).
 
 Held off while dynamo traces a DP step's frame and the backend compiles it (``step_frames``: AOTAutograd's
 trace, dpcompile's passes, the partition, the forward's Inductor compile), and for every graph Inductor

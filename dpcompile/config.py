@@ -65,14 +65,13 @@ class DPConfig:
         launch-bound steps, at the cost of a C++ compile per graph. Needs
         ``compiler="inductor"``. (Setting Inductor's global
         ``cpp_wrapper`` works too.)
-    pause_gc: True holds off Python's full garbage collections while dynamo
+    pause_gc: hold off Python's full garbage collections while dynamo
         traces the step and dp_fsdp compiles it (and while AOTAutograd
         compiles a backward at the first backward): each walks every object
         of the process, and a large compile makes millions (a GPT-2-small
         ghost step compiled sharded on CPU: 16 full collections, 4.9 s;
-        held, 7, 2.2 s). Young collections run as usual. Off by default: a
-        process of many small compiles (the test suite) ran 4-6% slower
-        with it.
+        held, 7, 2.2 s). Young collections run as usual. On by default;
+        False leaves the collector as it is.
     """
 
     max_grad_norm: float
@@ -90,7 +89,7 @@ class DPConfig:
     compiler: str = "inductor"
     cudagraphs: bool = False
     cpp_wrapper: bool = False
-    pause_gc: bool = False
+    pause_gc: bool = True
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -17,7 +17,7 @@ then measures a second process start on it (the restart of a job).
     python benchmarks/compile_time.py --shape llama:2x1024 --modes nonprivate,bk --cache warm --out ct.json
     python benchmarks/compile_time.py --inductor max_fusion_buffer_group_pairwise_attempts=16   # an Inductor setting
     python benchmarks/compile_time.py --fake-ranks 2 --dtype fp32   # sharded: rank 0 of 2, on one GPU
-    python benchmarks/compile_time.py --modes ghost --dp-option pause_gc=True   # a dpcompile option, DP modes
+    python benchmarks/compile_time.py --modes ghost --dp-option pause_gc=False   # a dpcompile option, DP modes
 
 ``--fake-ranks N`` compiles the step sharded with ``dpcompile.fully_shard`` (fully_shard's default bucketing) as
 rank 0 of an N-rank world, in one process on one device, on torch's fake process group: its collectives return
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--disable-passes", default="", metavar="NAMES",
                    help="comma-separated dpcompile passes the DP modes skip (the option disable_passes)")
     p.add_argument("--dp-option", action="append", default=[], metavar="KEY=VALUE", dest="dp_options",
-                   help="a dpcompile option for the DP modes (a DPConfig field, e.g. pause_gc=True), VALUE a Python "
+                   help="a dpcompile option for the DP modes (a DPConfig field, e.g. pause_gc=False), VALUE a Python "
                         "literal; repeatable, as anchors.py's")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -84,11 +84,12 @@ def compile_dp_frames_strictly() -> None:
 
     def wrap(original):
         def __call__(self, frame, *args, **kwargs):
-            if not _compiles_for_dp(self):
+            backend = _dp_backend(self)
+            if backend is None:
                 return original(self, frame, *args, **kwargs)
             _skip_this_wrapper(kwargs)
             # dynamo's trace of the frame, as well as the backend's compile, makes millions of objects
-            with dp_frame_settings(), hold_full_collections(_pause_gc(self)):
+            with dp_frame_settings(), hold_full_collections(backend.config.pause_gc):
                 try:
                     return original(self, frame, *args, **kwargs)
                 except (Unsupported, UserError) as e:
@@ -112,7 +113,7 @@ def compile_dp_frames_strictly() -> None:
     def wrap_outer(original):
         def __call__(self, frame, *args, **kwargs):
             cfg = torch._dynamo.config
-            if not cfg.suppress_errors or not _compiles_for_dp(self):
+            if not cfg.suppress_errors or _dp_backend(self) is None:
                 return original(self, frame, *args, **kwargs)
             _skip_this_wrapper(kwargs)
             # torch._dynamo.config.suppress_errors runs a frame whose compile failed as plain Python: for a DP
@@ -127,19 +128,11 @@ def compile_dp_frames_strictly() -> None:
     wrap_method_once(convert_frame.ConvertFrame, "__call__", wrap_outer)
 
 
-def _pause_gc(convert: Any) -> bool:
-    """The pause_gc option of the dp_fsdp backend a frame converter compiles for."""
+def _dp_backend(convert: Any) -> Any:
+    """The dp_fsdp backend dynamo's frame converter (ConvertFrame, ConvertFrameAssert) compiles for, or None."""
     from dpcompile.backend import backend_of
 
-    backend = backend_of(getattr(convert, "_torchdynamo_orig_backend", None))
-    return backend is not None and backend.config.pause_gc
-
-
-def _compiles_for_dp(convert: Any) -> bool:
-    """Whether dynamo's frame converter (ConvertFrame, ConvertFrameAssert) compiles for a dp_fsdp backend."""
-    from dpcompile.backend import backend_of
-
-    return backend_of(getattr(convert, "_torchdynamo_orig_backend", None)) is not None
+    return backend_of(getattr(convert, "_torchdynamo_orig_backend", None))
 
 
 def _skip_this_wrapper(kwargs: dict) -> None:

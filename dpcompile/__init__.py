@@ -39,7 +39,7 @@ from dpcompile.accounting import PrivacyAccountant, noise_multiplier_for  # noqa
 from dpcompile.accumulation import accumulate  # noqa: E402
 from dpcompile.batching import mark_batch  # noqa: E402
 from dpcompile.checkpoint import Checkpointer  # noqa: E402
-from dpcompile.bucketing import bucket_collectives  # noqa: E402
+from dpcompile.bucketing import bucket_collectives, repair_each_bucket_user_once  # noqa: E402
 from dpcompile.backend import CompiledStep, DPBackend, dp_fsdp, get_backend  # noqa: E402
 from dpcompile import cpp_size_questions  # noqa: E402
 from dpcompile.compat import (conv_backward_layout_as_input, flex_backward_takes_unbacked_batch,  # noqa: E402
@@ -178,3 +178,4 @@ dynamo_config_logging_takes_functions()
 integer_equalities_decided()
 flex_backward_takes_unbacked_batch()
 flex_dense_takes_an_empty_batch()
+repair_each_bucket_user_once()  # a bucket's users re-run once each, not once per wait

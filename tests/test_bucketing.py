@@ -128,3 +128,55 @@ def test_copy_out_is_patched_in_for_bucketed_collectives_unless_disabled():
         dpcompile.bucket_collectives(None)
     with pytest.raises(ValueError, match="gathered_copy_out"):  # named among the optional passes
         DPConfig(max_grad_norm=1.0, noise_multiplier=0.0, disable_passes=("per_sample_norms",))
+
+
+def _read_all_fake_runs() -> list:
+    """A custom op reading every tensor of a list, whose fake kernel counts its runs (defined once per process)."""
+    import torch
+
+    if not hasattr(_read_all_fake_runs, "runs"):
+        runs = _read_all_fake_runs.runs = []
+
+        @torch.library.custom_op("dpcompile_test::read_all", mutates_args=())
+        def read_all(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [t.clone() for t in ts]
+
+        @read_all.register_fake
+        def _(ts):
+            runs.append(len(ts))
+            return [torch.empty_like(t) for t in ts]
+    return _read_all_fake_runs.runs
+
+
+def test_a_bucket_user_reruns_once_not_once_per_result():
+    """Inductor's reduce-scatter bucketing repairs the metadata of the merged results' users (torch 2.13). A
+    user reading every result of a bucket, as dp_fsdp's noise op reads every gradient, runs its fake kernel
+    once, not once per result (dpcompile.bucketing.repair_each_bucket_user_once: torch queued it once per
+    result, quadratic in the parameters). The bucket is merged and the user's metadata stays right."""
+    import torch
+    import torch.distributed as dist
+    from torch._inductor.fx_passes import bucketing as inductor_bucketing
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    runs = _read_all_fake_runs()
+    funcs = torch.ops._c10d_functional
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        group = dist.group.WORLD.group_name
+
+        def step(*grads):
+            return torch.ops.dpcompile_test.read_all(
+                [funcs.wait_tensor(funcs.reduce_scatter_tensor(g, "sum", 2, group)) for g in grads])
+
+        gm = make_fx(step, tracing_mode="fake")(*[torch.randn(4, n) for n in (3, 5, 2, 7)])
+        scatters = list(gm.graph.find_nodes(op="call_function", target=funcs.reduce_scatter_tensor.default))
+        assert len(scatters) == 4
+        runs.clear()
+        inductor_bucketing.merge_reduce_scatter(gm, [scatters])
+    finally:
+        dist.destroy_process_group()
+    assert len(gm.graph.find_nodes(op="call_function", target=funcs.reduce_scatter_tensor.default)) == 1
+    assert len(runs) <= 1, f"the bucket's one user ran its fake kernel {len(runs)} times"
+    (user,) = gm.graph.find_nodes(op="call_function", target=torch.ops.dpcompile_test.read_all.default)
+    assert [tuple(v.shape) for v in user.meta["val"]] == [(2, 3), (2, 5), (2, 2), (2, 7)]

@@ -18,6 +18,8 @@ then measures a second process start on it (the restart of a job).
     python benchmarks/compile_time.py --inductor max_fusion_buffer_group_pairwise_attempts=16   # an Inductor setting
     python benchmarks/compile_time.py --fake-ranks 2 --dtype fp32   # sharded: rank 0 of 2, on one GPU
     python benchmarks/compile_time.py --modes ghost --dp-option pause_gc=False   # a dpcompile option, DP modes
+    python benchmarks/compile_time.py --modes nonprivate,ghost,"ghost[pause_gc=False]"   # an option for one row,
+                                                                                 # alternating with the others
 
 ``--fake-ranks N`` compiles the step sharded with ``dpcompile.fully_shard`` (fully_shard's default bucketing) as
 rank 0 of an N-rank world, in one process on one device, on torch's fake process group: its collectives return
@@ -112,8 +114,21 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 
-def run(mode: str, shape: str, cache: str | None, extra: list[str]) -> dict:
+def split_mode(label: str) -> tuple[str, dict]:
+    """``ghost[pause_gc=False;linear_norm=bk]`` -> ("ghost", {its dpcompile options}); a plain mode has none."""
+    mode, bracket, rest = label.partition("[")
+    if not bracket:
+        return label, {}
+    if not rest.endswith("]") or anchors.MODES.get(mode, ("",))[0] != "dpcompile":
+        raise SystemExit(f"--modes: {label!r}: options in brackets go with a DP mode, as ghost[pause_gc=False]")
+    return mode, dict(anchors.parse_dp_option(x) for x in rest[:-1].split(";") if x)
+
+
+def run(label: str, shape: str, cache: str | None, extra: list[str]) -> dict:
+    mode, options = split_mode(label)
     env = dict(os.environ)
+    if options:  # the row's own options over --dp-option's
+        env["DPC_CT_DP_OPTIONS"] = json.dumps({**json.loads(env.get("DPC_CT_DP_OPTIONS", "{}")), **options})
     cache = cache or tempfile.mkdtemp(prefix="dpc-ct-")
     env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,13 +137,15 @@ def run(mode: str, shape: str, cache: str | None, extra: list[str]) -> dict:
                          env=env, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
-        raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
+        raise RuntimeError(f"{label} failed:\n{out.stderr[-3000:]}")
+    return {**json.loads(lines[-1]), "mode": label}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="nonprivate,bk,ghost")
+    p.add_argument("--modes", default="nonprivate,bk,ghost",
+                   help="rows, alternated --repeats times; a DP mode may carry its own dpcompile options, "
+                        "MODE[KEY=VALUE;...] (over --dp-option's)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cache", choices=("cold", "warm"), default="cold")
     p.add_argument("--shape", help="MODEL:BxT as in anchors.py (default gpt:32x256 on a GPU, gpt:2x32 on CPU)")
@@ -171,7 +188,8 @@ def main() -> None:
     if a.cache == "cold":
         os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     modes = a.modes.split(",")
-    for m in modes:
+    for label in modes:
+        m = split_mode(label)[0]
         if anchors.MODES.get(m, ("",))[0] not in ("torch", "dpcompile") or m == "nonprivate_eager":
             raise SystemExit(f"--modes: {m!r} is not a compiled mode of anchors.py (nonprivate, bk, ghost, auto, "
                              f"their :cg forms)")

@@ -93,3 +93,35 @@ def test_dp_options_reach_the_dp_step_and_are_checked():
     step, _ = anchors.torch_step(spec, model, x, y, torch.device("cpu"))
     config = step.compiled.dp_backend.config
     assert config.linear_norm == "direct" and config.memory_budget == 1024 and config.schedule == "bk"
+
+
+def test_compile_time_rows_carry_their_own_dp_options(monkeypatch, tmp_path):
+    """compile_time.py --modes nonprivate,ghost,"ghost[pause_gc=False]": a DP row's bracketed options reach its
+    child process over --dp-option's, so one option's rows alternate with the others on one machine; a row
+    without brackets keeps --dp-option's, and brackets on a non-DP mode, unclosed or naming no DPConfig field
+    are refused."""
+    import json
+    import subprocess
+
+    import pytest
+
+    import compile_time
+
+    assert compile_time.split_mode("ghost") == ("ghost", {})
+    assert compile_time.split_mode("ghost[pause_gc=False;linear_norm=ghost]") == (
+        "ghost", {"pause_gc": False, "linear_norm": "ghost"})
+    for bad in ("nonprivate[pause_gc=False]", "ghost[pause_gc=False", "ghost[no_such_option=1]"):
+        with pytest.raises((SystemExit, ValueError)):
+            compile_time.split_mode(bad)
+    children = []
+
+    def child_process(cmd, env, **_):
+        children.append((cmd[cmd.index("--child") + 1], json.loads(env.get("DPC_CT_DP_OPTIONS", "{}"))))
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"first_call_s": 1.0}\n', stderr="")
+
+    monkeypatch.setattr(compile_time.subprocess, "run", child_process)
+    monkeypatch.setenv("DPC_CT_DP_OPTIONS", json.dumps({"pause_gc": True, "linear_norm": "direct"}))
+    assert compile_time.run("ghost[pause_gc=False]", "gpt:2x32", str(tmp_path), [])["mode"] == "ghost[pause_gc=False]"
+    assert compile_time.run("ghost", "gpt:2x32", str(tmp_path), [])["mode"] == "ghost"
+    assert children == [("ghost", {"pause_gc": False, "linear_norm": "direct"}),
+                        ("ghost", {"pause_gc": True, "linear_norm": "direct"})]

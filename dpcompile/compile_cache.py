@@ -78,8 +78,17 @@ def partitioner_key(config) -> str:
 
 def aot_cache_allowed(config, dumps_wanted: bool) -> bool:
     """A hit runs no pass: no graph dumps or TORCH_TRACE artifacts; those compiles skip the cache. The eager
-    compiler's graphs are not Inductor's, which the cache stores."""
-    return config.compiler == "inductor" and not dumps_wanted and not _tracing()
+    compiler's graphs are not Inductor's, which the cache stores. Without Inductor's FX graph cache AOTAutograd
+    stores nothing (it bypasses its cache): those compiles skip it too, and write no record (its key and graph
+    texts, printed for a later process that could never hit: 0.8 s of GPT-2-small ghost's sharded compile)."""
+    return config.compiler == "inductor" and not dumps_wanted and not _tracing() and _fx_graph_cache_on()
+
+
+def _fx_graph_cache_on() -> bool:
+    """AOTAutograd's condition for caching anything (torch 2.11 and 2.13 ``check_cacheable``)."""
+    from torch._inductor.utils import should_use_remote_fx_graph_cache
+
+    return bool(torch._inductor.config.fx_graph_cache or should_use_remote_fx_graph_cache())
 
 
 def rank_layout(example_inputs) -> str:

@@ -74,6 +74,26 @@ def test_a_restart_hits_the_aot_autograd_cache_and_other_options_or_settings_mis
         assert rec6.cache == "" and rec6.counters["clip_coefficients"] == 1 and rec6.dump_files
 
 
+
+def test_no_record_without_the_fx_graph_cache():
+    """AOTAutograd stores nothing where Inductor's FX graph cache is off (it bypasses its cache), so such a
+    compile skips the cache: no key, no record written (its graph texts printed for nothing), the passes run and
+    the gradients are those of a cached compile."""
+    torch.manual_seed(0)
+    model = M.MLP()
+    x, y = torch.randn(4, 5) * 3, torch.randint(0, 3, (4,))
+    with fresh_cache(), torch._functorch.config.patch(enable_autograd_cache=True):
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            off, rec_off = _fresh_compile(model, x, y, C=0.05)
+            assert rec_off.cache == "" and rec_off.counters["clip_coefficients"] == 1
+            records = compile_cache._records_dir()
+            assert not records.exists() or not any(records.iterdir())
+        with torch._inductor.config.patch(fx_graph_cache=True):
+            on, rec_on = _fresh_compile(model, x, y, C=0.05)
+            assert rec_on.cache == "miss" and any(records.iterdir())
+    for n in on:
+        torch.testing.assert_close(off[n], on[n], rtol=0, atol=0)
+
 def test_the_record_key_leaves_out_the_traced_source_paths():
     # the AOTAutograd cache's key does: a checkout or virtualenv elsewhere hits the entry and must find its record
     gm = torch.fx.symbolic_trace(M.MLP())

@@ -115,7 +115,7 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
 
 
 def split_mode(label: str) -> tuple[str, dict]:
-    """``ghost[pause_gc=False;linear_norm=bk]`` -> ("ghost", {its dpcompile options}); a plain mode has none."""
+    """``ghost[pause_gc=False;linear_norm=ghost]`` -> ("ghost", {its dpcompile options}); a plain mode has none."""
     mode, bracket, rest = label.partition("[")
     if not bracket:
         return label, {}

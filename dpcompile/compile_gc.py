@@ -52,8 +52,8 @@ def with_full_collections_held(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` called with full collections held off (Inductor's inner compile of one graph)."""
 
     @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
+    def held(*args: Any, **kwargs: Any) -> Any:
         with hold_full_collections():
             return fn(*args, **kwargs)
 
-    return paused
+    return held

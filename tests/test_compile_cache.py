@@ -74,7 +74,6 @@ def test_a_restart_hits_the_aot_autograd_cache_and_other_options_or_settings_mis
         assert rec6.cache == "" and rec6.counters["clip_coefficients"] == 1 and rec6.dump_files
 
 
-
 def test_no_record_without_the_fx_graph_cache():
     """AOTAutograd stores nothing where Inductor's FX graph cache is off (it bypasses its cache), so such a
     compile skips the cache: no key, no record written (its graph texts printed for nothing), the passes run and
@@ -93,6 +92,7 @@ def test_no_record_without_the_fx_graph_cache():
             assert rec_on.cache == "miss" and any(records.iterdir())
     for n in on:
         torch.testing.assert_close(off[n], on[n], rtol=0, atol=0)
+
 
 def test_the_record_key_leaves_out_the_traced_source_paths():
     # the AOTAutograd cache's key does: a checkout or virtualenv elsewhere hits the entry and must find its record

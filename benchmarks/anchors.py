@@ -190,9 +190,10 @@ def shard(model, spec: dict, device):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    reshard = spec.get("reshard_after_forward", True)  # compile_time.py's MODE[reshard_after_forward=False]
     for b in model.blocks:
-        dpcompile.fully_shard(b, mesh=mesh)
-    return dpcompile.fully_shard(model, mesh=mesh)
+        dpcompile.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+    return dpcompile.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
 
 def torch_step(spec: dict, model, x, y, device):

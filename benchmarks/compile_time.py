@@ -20,6 +20,7 @@ then measures a second process start on it (the restart of a job).
     python benchmarks/compile_time.py --modes ghost --dp-option pause_gc=False   # a dpcompile option, DP modes
     python benchmarks/compile_time.py --modes nonprivate,ghost,"ghost[pause_gc=False]"   # an option for one row,
                                                                                  # alternating with the others
+    python benchmarks/compile_time.py --fake-ranks 2 --modes nonprivate,ghost,"ghost[reshard_after_forward=False]"
 
 ``--fake-ranks N`` compiles the step sharded with ``dpcompile.fully_shard`` (fully_shard's default bucketing) as
 rank 0 of an N-rank world, in one process on one device, on torch's fake process group: its collectives return
@@ -72,7 +73,8 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for fp32, as anchors.py's rows
     spec = dict(model=model_name, B=B, T=T, mode=mode, dtype=dtype or ("bf16" if device.type == "cuda" else "fp32"),
-                tiny=False, shard=bool(fake_ranks), llama_tied=False)
+                tiny=False, shard=bool(fake_ranks), llama_tied=False,
+                **json.loads(os.environ.get("DPC_CT_SHARD_OPTIONS", "{}")))
     if anchors.MODES[mode][0] == "dpcompile":
         spec["dp_options"] = {**json.loads(os.environ.get("DPC_CT_DP_OPTIONS", "{}")),
                               **({"disable_passes": tuple(disable_passes)} if disable_passes else {})}
@@ -91,6 +93,8 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
     sync()
     first = time.perf_counter() - t
     steps, warm = [], 3 if device.type == "cuda" else 1
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # the steps' peak, not the compile's
     for i in range(warm + (10 if device.type == "cuda" else 2)):
         sync()
         t = time.perf_counter()
@@ -105,6 +109,7 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
     records = [r for r in getattr(getattr(step.compiled, "dp_backend", None), "compiled", ()) if r.dp]
     return {"mode": mode, "first_call_s": first, "step_ms": statistics.median(steps) * 1e3,
             "kernels": metrics.generated_kernel_count, "dtype": spec["dtype"], "fake_ranks": fake_ranks,
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
             "gathered_buckets_copied_out": sum(r.counters.get(gathered_copy_out.COUNTER, 0) for r in records),
             "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items()
                                    if k.startswith("autograd_cache")},
@@ -114,19 +119,40 @@ def child(mode: str, shape: str, *, fake_ranks: int, dtype: str | None, disable_
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 
+SHARD_OPTIONS = ("reshard_after_forward",)  # fully_shard's arguments a --fake-ranks row may set, any mode
+
+
 def split_mode(label: str) -> tuple[str, dict]:
-    """``ghost[pause_gc=False;linear_norm=ghost]`` -> ("ghost", {its dpcompile options}); a plain mode has none."""
+    """``ghost[pause_gc=False;linear_norm=ghost]`` -> ("ghost", {its options}); a plain mode has none. A DP mode
+    takes dpcompile options; any mode takes fully_shard's ``reshard_after_forward`` (a --fake-ranks row)."""
+    import ast
+
     mode, bracket, rest = label.partition("[")
     if not bracket:
         return label, {}
-    if not rest.endswith("]") or anchors.MODES.get(mode, ("",))[0] != "dpcompile":
-        raise SystemExit(f"--modes: {label!r}: options in brackets go with a DP mode, as ghost[pause_gc=False]")
-    return mode, dict(anchors.parse_dp_option(x) for x in rest[:-1].split(";") if x)
+    dp = anchors.MODES.get(mode, ("",))[0] == "dpcompile"
+    if not rest.endswith("]"):
+        raise SystemExit(f"--modes: {label!r}: options go in brackets, as ghost[pause_gc=False]")
+    options = {}
+    for x in filter(None, rest[:-1].split(";")):
+        key, _, value = x.partition("=")
+        if key in SHARD_OPTIONS:
+            options[key] = ast.literal_eval(value) if value else None
+            if not isinstance(options[key], bool):
+                raise SystemExit(f"--modes: {label!r}: {key} takes True or False")
+        elif dp:
+            options.update([anchors.parse_dp_option(x)])
+        else:
+            raise SystemExit(f"--modes: {label!r}: a non-DP mode takes only {', '.join(SHARD_OPTIONS)} in brackets; "
+                             f"dpcompile options go with a DP mode, as ghost[pause_gc=False]")
+    return mode, options
 
 
 def run(label: str, shape: str, cache: str | None, extra: list[str]) -> dict:
     mode, options = split_mode(label)
     env = dict(os.environ)
+    shard = {k: options.pop(k) for k in SHARD_OPTIONS if k in options}
+    env["DPC_CT_SHARD_OPTIONS"] = json.dumps(shard)
     if options:  # the row's own options over --dp-option's
         env["DPC_CT_DP_OPTIONS"] = json.dumps({**json.loads(env.get("DPC_CT_DP_OPTIONS", "{}")), **options})
     cache = cache or tempfile.mkdtemp(prefix="dpc-ct-")
@@ -189,7 +215,9 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
     modes = a.modes.split(",")
     for label in modes:
-        m = split_mode(label)[0]
+        m, options = split_mode(label)
+        if not a.fake_ranks and set(options) & set(SHARD_OPTIONS):
+            raise SystemExit(f"--modes: {label!r}: {', '.join(SHARD_OPTIONS)} is fully_shard's: it needs --fake-ranks")
         if anchors.MODES.get(m, ("",))[0] not in ("torch", "dpcompile") or m == "nonprivate_eager":
             raise SystemExit(f"--modes: {m!r} is not a compiled mode of anchors.py (nonprivate, bk, ghost, auto, "
                              f"their :cg forms)")
@@ -203,7 +231,8 @@ def main() -> None:
             row = run(m, shape, caches.get(m), extra)
             row["repeat"] = r
             rows.append(row)
-            print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms   "
+            peak = f"   peak {row['peak_mib']:.0f} MiB" if row.get("peak_mib") else ""
+            print(f"{m:12s} first call {row['first_call_s']:6.1f} s   step {row['step_ms']:7.2f} ms{peak}   "
                   f"kernels {row['kernels']}   copied-out buckets {row['gathered_buckets_copied_out']}   "
                   f"AOTAutograd cache {row['aot_autograd_cache']}", flush=True)
             print(f"{'':12s} phases s: " + ", ".join(f"{k} {v}" for k, v in list(row["compile_phases"].items())[:8]),

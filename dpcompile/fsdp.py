@@ -212,7 +212,9 @@ def fully_shard(
     of the default process group (on CUDA where its backend is NCCL, else
     CPU). reshard_after_forward=True (or None) frees the gathered parameters
     after the forward and gathers again in the backward (ZeRO-3); False keeps
-    them (ZeRO-2). A 2-D mesh shards within dim 1 and replicates across dim 0.
+    them (ZeRO-2). dp_fsdp's steps honour it; a non-private step (eager, or a
+    stock torch.compile) keeps what its backward reads, as with False.
+    A 2-D mesh shards within dim 1 and replicates across dim 0.
     shard_placement_fn: parameter -> ``Shard(dim)`` (the dim each rank holds a
     piece of; uneven sizes are fine) or None for ``Shard(0)``. A list of
     modules is sharded as one group, as FSDP2 does.

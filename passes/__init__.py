@@ -33,6 +33,7 @@ from .noise import gaussian_noise_pass
 from .param_grads import param_grad_decomposition_pass
 from .per_sample_norms import per_sample_norms_pass
 from .scatter_reads import scatter_reads_pass
+from .second_backward_gathers import second_backward_gathers_pass
 from .second_backward_recompute import second_backward_recompute_pass
 from .side_gradients import side_gradients_pass
 from .state_updates import state_updates_pass
@@ -83,6 +84,8 @@ PASSES: tuple[Pass, ...] = (
 
 # on the backward graph, after the partition (which decides what the backward makes itself)
 BACKWARD_PASSES: tuple[Pass, ...] = (
+    # ghost with reshard_after_forward: the second backward gathers its parameters again (ZeRO-3's peak)
+    Pass("second_backward_gathers", second_backward_gathers_pass, optional=True),
     # the norm rewrite's view chains as one view each: Inductor copies a chain it cannot see through (an
     # unbacked batch size), computing the value twice. After the partition: on the joint graph, a chain's
     # end read straight from a forward value makes the min-cut keep that value instead of recomputing it

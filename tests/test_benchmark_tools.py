@@ -125,3 +125,51 @@ def test_compile_time_rows_carry_their_own_dp_options(monkeypatch, tmp_path):
     assert compile_time.run("ghost", "gpt:2x32", str(tmp_path), [])["mode"] == "ghost"
     assert children == [("ghost", {"pause_gc": False, "linear_norm": "direct"}),
                         ("ghost", {"pause_gc": True, "linear_norm": "direct"})]
+
+
+def test_compile_time_rows_may_keep_the_gathered_parameters(monkeypatch, tmp_path):
+    """compile_time.py --fake-ranks 2 --modes nonprivate,ghost,"ghost[reshard_after_forward=False]": a row of any
+    mode may set fully_shard's reshard_after_forward, which reaches anchors.shard's fully_shard calls in the child
+    (not the DP options); a value other than True or False is refused."""
+    import json
+    import subprocess
+    import types
+
+    import pytest
+
+    import anchors
+    import compile_time
+
+    assert compile_time.split_mode("ghost[reshard_after_forward=False;pause_gc=False]") == (
+        "ghost", {"reshard_after_forward": False, "pause_gc": False})
+    assert compile_time.split_mode("nonprivate[reshard_after_forward=False]") == (
+        "nonprivate", {"reshard_after_forward": False})
+    for bad in ("ghost[reshard_after_forward=1]", "nonprivate[reshard_after_forward]"):
+        with pytest.raises(SystemExit):
+            compile_time.split_mode(bad)
+    children = []
+
+    def child_process(cmd, env, **_):
+        children.append((json.loads(env["DPC_CT_SHARD_OPTIONS"]), json.loads(env.get("DPC_CT_DP_OPTIONS", "{}"))))
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"first_call_s": 1.0}\n', stderr="")
+
+    monkeypatch.setattr(compile_time.subprocess, "run", child_process)
+    monkeypatch.delenv("DPC_CT_DP_OPTIONS", raising=False)
+    compile_time.run("ghost[reshard_after_forward=False;pause_gc=False]", "gpt:2x32", str(tmp_path), [])
+    compile_time.run("ghost", "gpt:2x32", str(tmp_path), [])
+    assert children == [({"reshard_after_forward": False}, {"pause_gc": False}), ({}, {})]
+
+    import torch.distributed as dist
+    import torch.distributed.device_mesh
+
+    import dpcompile
+
+    calls = []
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed.device_mesh, "init_device_mesh", lambda *a, **k: "mesh")
+    monkeypatch.setattr(dpcompile, "fully_shard", lambda m, **kw: calls.append((m, kw)) or m)
+    model = types.SimpleNamespace(blocks=["b0", "b1"])
+    for spec, reshard in (({}, True), ({"reshard_after_forward": False}, False)):
+        calls.clear()
+        anchors.shard(model, spec, types.SimpleNamespace(type="cpu"))
+        assert calls == [(m, {"mesh": "mesh", "reshard_after_forward": reshard}) for m in ("b0", "b1", model)]

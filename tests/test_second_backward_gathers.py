@@ -1,0 +1,90 @@
+"""Ghost's second backward gathers its parameters again (passes/second_backward_gathers): with
+reshard_after_forward, no parameter the first backward gathers is held for the second."""
+import pytest
+import torch
+
+import dpcompile
+from dpcompile import backend as dp_backend
+from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD
+from dpcompile.passes import Pass
+from dpcompile.passes.second_backward_gathers import COUNTER, _gather_chain
+
+_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """Rank 0 of 2 on torch's fake process group (its collectives move nothing), one for the module's tests:
+    a mesh outlives its group in DTensor's caches."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_backward(monkeypatch, mesh, schedule: str, disable: tuple[str, ...]):
+    """The partitioned backward graph (after the backward passes) of a 2-block GPT sharded as rank 0 of 2, and
+    the compile's counters."""
+    import models as M
+
+    captured = []
+    monkeypatch.setattr(dp_backend, "BACKWARD_PASSES", dp_backend.BACKWARD_PASSES + (
+        Pass("capture", lambda gm, ctx: captured.append(gm) or gm),))
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        model = M.GPT(d=8, n_head=2, n_layer=2)
+        for b in model.blocks:
+            dpcompile.fully_shard(b, mesh=mesh)
+        dpcompile.fully_shard(model, mesh=mesh)
+        backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
+                                      schedule=schedule, compiler="eager", disable_passes=disable)
+
+        def step(x, y):
+            loss = M.seq_ce(model(x), y).mean()
+            loss.backward()
+            return loss.detach()
+
+        ids = torch.randint(0, 13, (3, 6))
+        torch.compile(step, backend=backend)(ids, ids)
+    finally:
+        torch._dynamo.reset()
+    (record,) = [r for r in backend.compiled if r.dp]
+    (bw,) = captured
+    return bw, record.counters
+
+
+def _held(bw) -> list[str]:
+    """The backward's gathers whose gathered value both backwards read (held from the first to the second)."""
+    held = []
+    for gather in bw.graph.find_nodes(op="call_function", target=_GATHER):
+        chain = _gather_chain(gather)
+        phases = {u.meta.get(PHASE_KEY) == SECOND_BACKWARD for n in chain for u in n.users if u not in chain}
+        if phases == {True, False}:
+            held.append(gather.name)
+    return held
+
+
+@pytest.mark.parametrize("schedule,disable", [("ghost", ()), ("ghost", ("second_backward_gathers",)), ("bk", ())])
+def test_the_second_backward_gathers_its_own_parameters(monkeypatch, fake_world, schedule, disable):
+    """Ghost: each parameter both backwards read is gathered in each (the counter counts the second's gathers),
+    so none is held from the first backward to the second; with the pass disabled every one is held (the test
+    can fail). bk's one backward gathers once."""
+    bw, counters = _sharded_backward(monkeypatch, fake_world, schedule, disable)
+    gathers = bw.graph.find_nodes(op="call_function", target=_GATHER)
+    second = [g for g in gathers if g.meta.get(PHASE_KEY) == SECOND_BACKWARD]
+    assert gathers, "reshard_after_forward: the backward gathers the parameters again"
+    if schedule == "ghost" and not disable:
+        # every Linear weight and LayerNorm weight both backwards read is gathered once in each
+        assert counters[COUNTER] == len(second) >= 2 * 4, counters
+        assert _held(bw) == []
+    elif schedule == "ghost":  # the pass disabled: one gather, held across (what the pass exists to stop)
+        assert COUNTER not in counters and second == []
+        assert len(_held(bw)) >= 2 * 4
+    else:  # bk: one backward, nothing to hold
+        assert counters.get(COUNTER, 0) == 0 and second == [] and _held(bw) == []

@@ -11,12 +11,19 @@ rank partitions its own graph, and the graphs differ (uneven shards are
 sliced and padded on some ranks only). Left to itself, the min-cut may
 recompute a cheap forward op that reads a gathered parameter (a LayerNorm
 output, an embedding lookup) on one rank and save it on another: the first
-rank issues an extra all-gather and both ranks hang. So the first forward op
-past each gather chain is never recomputed (MUST_SAVE; it is stored only if
-the backward reads it): a parameter is then gathered in the backward exactly
-when a backward op reads it, which the graph's structure fixes, not the
-partitioner's costs. Ops the user tagged for recompute (activation
-checkpointing) keep their tag: they recompute on every rank alike.
+rank issues an extra all-gather and both ranks hang. So each forward op past
+a gather chain (a reader) is saved or recomputed on every rank alike, by the
+graph's structure, not the partitioner's costs. A pointwise reader whose value
+reaches a backward op through views and other pointwise readers (a
+LayerNorm's ``x_hat * w + b``, which the next Linear's weight gradient reads)
+is recomputed, path and all (MUST_RECOMPUTE): every rank needs the value, so
+every rank gathers its parameters. Saving it kept one more activation per
+LayerNorm than the non-sharded step keeps (the normalised input and the
+affine output both, where that step keeps the input and recomputes the
+rest). Every other reader is never recomputed (MUST_SAVE; it is stored only
+if the backward reads it): its parameter is then gathered in the backward
+exactly when a backward op reads it. Ops the user tagged for recompute
+(activation checkpointing) keep their tag: they recompute on every rank alike.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dpcompile.fx_utils import backward_nodes
+from dpcompile.fx_utils import backward_nodes, recomputable
 
 from .context import DPPassContext
 
@@ -50,6 +57,7 @@ def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
     # backward: what reads the tangent, and what dpcompile placed in the backward without reading it (a
     # forward value the ghost second backward recomputes): those read a gathered parameter in the backward
     backward = backward_nodes(gm.graph) if ctx.reshard_primals else set()
+    gathered: set[fx.Node] = set()
     for primal in ctx.reshard_primals:
         frontier = list(primal.users)
         chain: set[fx.Node] = set()
@@ -66,11 +74,46 @@ def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
                 frontier.extend(n.users)
         recomputed = {n for n in chain if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
         ctx.counters["reshard_after_forward_nodes"] += len(recomputed)
-        for n in recomputed:
-            for user in n.users:
-                if (user in recomputed or user in backward or user.op != "call_function"
-                        or "recompute" in user.meta):
-                    continue
-                user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                ctx.counters["reshard_readers_saved"] += 1
+        gathered |= recomputed
+    readers = [u for n in gm.graph.nodes if n in gathered for u in n.users
+               if u not in gathered and u not in backward and u.op == "call_function" and "recompute" not in u.meta]
+    again = _recomputed_readers(dict.fromkeys(readers), backward)
+    for n in again:
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        n.meta["ac_graph_id"] = 0
+    for user in dict.fromkeys(readers):
+        if user in again:
+            ctx.counters["reshard_readers_recomputed"] += 1
+        else:
+            user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            ctx.counters["reshard_readers_saved"] += 1
     return gm
+
+
+def _recomputed_readers(readers: dict[fx.Node, None], backward: set[fx.Node]) -> set[fx.Node]:
+    """The pointwise readers of gathered parameters to recompute in the backward, with the views and pointwise
+    readers from them to a value a backward op reads (a LayerNorm's ``x_hat * w + b``, read by the next
+    Linear's weight gradient): the backward needs that value on every rank, and recomputing the whole path on
+    every rank gathers the same parameters on every rank. Saving it instead keeps one more activation per
+    reader (the normalised input and the affine output both), where a non-sharded step keeps the input only."""
+    cheap = {u for u in readers if recomputable(u)}
+    paths: dict[fx.Node, set[fx.Node]] = {}
+
+    def path(n: fx.Node) -> set[fx.Node]:
+        if n not in paths:
+            found: set[fx.Node] = {n} if any(w in backward for w in n.users) else set()
+            for w in n.users:
+                if w in backward or w.op != "call_function" or ("recompute" in w.meta and w not in cheap):
+                    continue
+                if w in cheap or (recomputable(w) and w.target.is_view):
+                    if sub := path(w):
+                        found |= sub | {n}
+            paths[n] = found
+        return paths[n]
+
+    again: set[fx.Node] = set()
+    for u in readers:
+        if u in cheap:
+            again |= path(u)
+    return again
+

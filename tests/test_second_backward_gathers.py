@@ -88,3 +88,59 @@ def test_the_second_backward_gathers_its_own_parameters(monkeypatch, fake_world,
         assert len(_held(bw)) >= 2 * 4
     else:  # bk: one backward, nothing to hold
         assert counters.get(COUNTER, 0) == 0 and second == [] and _held(bw) == []
+
+
+def _saved_batch_values(monkeypatch, mesh, schedule: str, reshard: bool, counters: dict) -> list[str]:
+    """The shapes of the batch-sized values the forward saves for the backward (sharded, rank 0 of 2); the
+    compile's counters into ``counters``."""
+    import torch._functorch.partitioners as partitioners
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    import models as M
+
+    saved = []
+    partition = partitioners.min_cut_rematerialization_partition
+
+    def keep(gm, joint_inputs, **kwargs):
+        fw, bw = partition(gm, joint_inputs, **kwargs)
+        out = fw.graph.find_nodes(op="output")[0].args[0][kwargs["num_fwd_outputs"]:]
+        saved.extend(str(tuple(v.shape)) for v in (n.meta.get("val") for n in out)
+                     if isinstance(v, torch.Tensor) and v.dim() and free_symbols(v.shape[0]))
+        return fw, bw
+
+    monkeypatch.setattr(partitioners, "min_cut_rematerialization_partition", keep)
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        model = M.GPT(d=16, n_head=2, n_layer=2)
+        for b in model.blocks:
+            dpcompile.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        dpcompile.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
+                                      schedule=schedule, compiler="eager")
+
+        def step(x, y):
+            loss = M.seq_ce(model(x), y).mean()
+            loss.backward()
+            return loss.detach()
+
+        ids = torch.randint(0, 13, (3, 6))
+        torch.compile(step, backend=backend)(ids, ids)
+    finally:
+        torch._dynamo.reset()
+    counters.update(next(r for r in backend.compiled if r.dp).counters)
+    return sorted(saved)
+
+
+@pytest.mark.parametrize("schedule", ["ghost", "bk"])
+def test_resharding_saves_no_more_activations(monkeypatch, fake_world, schedule):
+    """With reshard_after_forward=True the forward saves the same batch-sized values as with False: a
+    LayerNorm's affine output, which reads a gathered weight and bias, is recomputed in the backward on every
+    rank (fsdp_reshard's recomputed readers), not saved beside the LayerNorm's input (twice the activations
+    per LayerNorm before)."""
+    counters = {}
+    zero3 = _saved_batch_values(monkeypatch, fake_world, schedule, True, counters)
+    zero2 = _saved_batch_values(monkeypatch, fake_world, schedule, False, {})
+    assert zero3 == zero2
+    # 2 blocks x 2 LayerNorms + the final one, each a weight and a bias reader
+    assert counters["reshard_readers_recomputed"] >= 2 * 5, counters

@@ -59,6 +59,19 @@ def _chain(root: fx.Node) -> list[fx.Node] | None:
     return list(chain)
 
 
+def copy_for_second_backward(graph: fx.Graph, nodes, readers, order: dict[fx.Node, int]) -> dict[fx.Node, fx.Node]:
+    """Copies ``nodes`` (in graph order, each copy reading the copies of the others) to just before the first of
+    ``readers``, marked as the second backward's; returns node -> copy. The readers are not changed."""
+    done: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(min(readers, key=order.__getitem__)):
+        for n in sorted(nodes, key=order.__getitem__):
+            again = graph.node_copy(n, lambda a: done.get(a, a))
+            again.meta = dict(n.meta)
+            mark_second_backward(again)
+            done[n] = again
+    return done
+
+
 def copy_shared_values_into_second_backward(bw: fx.GraphModule, counters: dict | None = None) -> int:
     """Gives the second backward its own copy of each pointwise value it shares with the first backward.
     Returns how many values were copied (counter ``second_backward_pointwise_copies``)."""
@@ -78,13 +91,7 @@ def copy_shared_values_into_second_backward(bw: fx.GraphModule, counters: dict |
         chain = _chain(root)
         if chain is None:
             continue
-        done: dict[fx.Node, fx.Node] = {}
-        with graph.inserting_before(min(readers, key=order.__getitem__)):
-            for n in sorted(chain, key=order.__getitem__):
-                again = graph.node_copy(n, lambda a: done.get(a, a))
-                again.meta = dict(n.meta)
-                mark_second_backward(again)
-                done[n] = again
+        done = copy_for_second_backward(graph, chain, readers, order)
         for u in readers:
             u.replace_input_with(root, done[root])
         copied += 1

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD, mark_second_backward
+from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD
+from dpcompile.second_backward_copies import copy_for_second_backward
 
 from .context import DPPassContext
 
@@ -98,13 +99,7 @@ def second_backward_gathers_pass(bw: fx.GraphModule, ctx: DPPassContext) -> fx.G
             if n not in needed:
                 needed.add(n)
                 todo.extend(a for a in n.all_input_nodes if a in chain)
-        done: dict[fx.Node, fx.Node] = {}
-        with graph.inserting_before(min(later, key=order.__getitem__)):
-            for n in sorted(needed, key=order.__getitem__):
-                again = graph.node_copy(n, lambda a: done.get(a, a))
-                again.meta = dict(n.meta)
-                mark_second_backward(again)
-                done[n] = again
+        done = copy_for_second_backward(graph, needed, later, order)
         for u in later:
             for n in needed:
                 u.replace_input_with(n, done[n])

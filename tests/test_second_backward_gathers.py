@@ -27,21 +27,17 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def _sharded_backward(monkeypatch, mesh, schedule: str, disable: tuple[str, ...]):
-    """The partitioned backward graph (after the backward passes) of a 2-block GPT sharded as rank 0 of 2, and
-    the compile's counters."""
+def _compile_sharded_gpt(mesh, *, d: int, schedule: str, reshard: bool = True, disable: tuple[str, ...] = ()):
+    """Compiles one step of a 2-block GPT of width d sharded as rank 0 of 2 (fake process group); its record."""
     import models as M
 
-    captured = []
-    monkeypatch.setattr(dp_backend, "BACKWARD_PASSES", dp_backend.BACKWARD_PASSES + (
-        Pass("capture", lambda gm, ctx: captured.append(gm) or gm),))
     torch._dynamo.reset()
     try:
         torch.manual_seed(0)
-        model = M.GPT(d=8, n_head=2, n_layer=2)
+        model = M.GPT(d=d, n_head=2, n_layer=2)
         for b in model.blocks:
-            dpcompile.fully_shard(b, mesh=mesh)
-        dpcompile.fully_shard(model, mesh=mesh)
+            dpcompile.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        dpcompile.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
                                       schedule=schedule, compiler="eager", disable_passes=disable)
 
@@ -55,6 +51,15 @@ def _sharded_backward(monkeypatch, mesh, schedule: str, disable: tuple[str, ...]
     finally:
         torch._dynamo.reset()
     (record,) = [r for r in backend.compiled if r.dp]
+    return record
+
+
+def _sharded_backward(monkeypatch, mesh, schedule: str, disable: tuple[str, ...]):
+    """The partitioned backward graph (after the backward passes) of the sharded GPT, and the compile's counters."""
+    captured = []
+    monkeypatch.setattr(dp_backend, "BACKWARD_PASSES", dp_backend.BACKWARD_PASSES + (
+        Pass("capture", lambda gm, ctx: captured.append(gm) or gm),))
+    record = _compile_sharded_gpt(mesh, d=8, schedule=schedule, disable=disable)
     (bw,) = captured
     return bw, record.counters
 
@@ -90,13 +95,11 @@ def test_the_second_backward_gathers_its_own_parameters(monkeypatch, fake_world,
         assert counters.get(COUNTER, 0) == 0 and second == [] and _held(bw) == []
 
 
-def _saved_batch_values(monkeypatch, mesh, schedule: str, reshard: bool, counters: dict) -> list[str]:
-    """The shapes of the batch-sized values the forward saves for the backward (sharded, rank 0 of 2); the
-    compile's counters into ``counters``."""
+def _saved_batch_values(monkeypatch, mesh, schedule: str, reshard: bool) -> tuple[list[str], dict]:
+    """The shapes of the batch-sized values the forward of the sharded GPT saves for the backward, and the
+    compile's counters."""
     import torch._functorch.partitioners as partitioners
     from torch.fx.experimental.symbolic_shapes import free_symbols
-
-    import models as M
 
     saved = []
     partition = partitioners.min_cut_rematerialization_partition
@@ -109,27 +112,8 @@ def _saved_batch_values(monkeypatch, mesh, schedule: str, reshard: bool, counter
         return fw, bw
 
     monkeypatch.setattr(partitioners, "min_cut_rematerialization_partition", keep)
-    torch._dynamo.reset()
-    try:
-        torch.manual_seed(0)
-        model = M.GPT(d=16, n_head=2, n_layer=2)
-        for b in model.blocks:
-            dpcompile.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
-        dpcompile.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
-                                      schedule=schedule, compiler="eager")
-
-        def step(x, y):
-            loss = M.seq_ce(model(x), y).mean()
-            loss.backward()
-            return loss.detach()
-
-        ids = torch.randint(0, 13, (3, 6))
-        torch.compile(step, backend=backend)(ids, ids)
-    finally:
-        torch._dynamo.reset()
-    counters.update(next(r for r in backend.compiled if r.dp).counters)
-    return sorted(saved)
+    record = _compile_sharded_gpt(mesh, d=16, schedule=schedule, reshard=reshard)
+    return sorted(saved), record.counters
 
 
 @pytest.mark.parametrize("schedule", ["ghost", "bk"])
@@ -138,9 +122,8 @@ def test_resharding_saves_no_more_activations(monkeypatch, fake_world, schedule)
     LayerNorm's affine output, which reads a gathered weight and bias, is recomputed in the backward on every
     rank (fsdp_reshard's recomputed readers), not saved beside the LayerNorm's input (twice the activations
     per LayerNorm before)."""
-    counters = {}
-    zero3 = _saved_batch_values(monkeypatch, fake_world, schedule, True, counters)
-    zero2 = _saved_batch_values(monkeypatch, fake_world, schedule, False, {})
+    zero3, counters = _saved_batch_values(monkeypatch, fake_world, schedule, True)
+    zero2, _ = _saved_batch_values(monkeypatch, fake_world, schedule, False)
     assert zero3 == zero2
     # 2 blocks x 2 LayerNorms + the final one, each a weight and a bias reader
     assert counters["reshard_readers_recomputed"] >= 2 * 5, counters

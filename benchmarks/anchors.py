@@ -184,7 +184,8 @@ def autocast_for(spec: dict, device):
 
 def shard(model, spec: dict, device):
     """dpcompile.fully_shard on every block, then the root, as benchmarks/step.py does (no mixed-precision
-    policy: bf16 is autocast here, like the unsharded modes)."""
+    policy: bf16 is autocast here, like the unsharded modes). reshard_after_forward: the spec's (compile_time.py's
+    rows), else True, which only dp_fsdp's steps read: a stock torch.compile keeps what its backward reads."""
     import dpcompile
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -1133,7 +1134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=None,
                     help="ranks for the FSDP modes (and --shard); default: the number of GPUs")
     ap.add_argument("--shard", action="store_true",
-                    help="non-private and dp_fsdp modes sharded with dpcompile.fully_shard over --nproc ranks")
+                    help="non-private and dp_fsdp modes sharded with dpcompile.fully_shard over --nproc ranks "
+                         "(reshard_after_forward=True: dp_fsdp re-gathers in the backward, ZeRO-3; the non-private "
+                         "step's partitioner keeps the gathered parameters, ZeRO-2 in effect: README)")
     ap.add_argument("--bucket-mb", type=bucket_size, default=None,
                     help="compiled modes (non-private and dpcompile): dpcompile.bucket_collectives(MiB), Inductor's "
                          "bucketing of the sharded step's all-gathers and reduce-scatters, rows marked bMB; 'off': "

@@ -59,10 +59,12 @@ def _chain(root: fx.Node) -> list[fx.Node] | None:
     return list(chain)
 
 
-def copy_for_second_backward(graph: fx.Graph, nodes, readers, order: dict[fx.Node, int]) -> dict[fx.Node, fx.Node]:
-    """Copies ``nodes`` (in graph order, each copy reading the copies of the others) to just before the first of
-    ``readers``, marked as the second backward's; returns node -> copy. The readers are not changed."""
-    done: dict[fx.Node, fx.Node] = {}
+def copy_for_second_backward(graph: fx.Graph, nodes, readers, order: dict[fx.Node, int],
+                             inputs: dict[fx.Node, fx.Node] | None = None) -> dict[fx.Node, fx.Node]:
+    """Copies ``nodes`` (in graph order, each copy reading the copies of the others, and ``inputs``' nodes
+    replaced by theirs) to just before the first of ``readers``, marked as the second backward's; returns node ->
+    copy (inputs' included). The readers are not changed."""
+    done: dict[fx.Node, fx.Node] = dict(inputs or {})
     with graph.inserting_before(min(readers, key=order.__getitem__)):
         for n in sorted(nodes, key=order.__getitem__):
             again = graph.node_copy(n, lambda a: done.get(a, a))

@@ -27,13 +27,15 @@ import torch
 import torch.fx as fx
 
 from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD
-from dpcompile.second_backward_copies import copy_for_second_backward
+from dpcompile.fx_utils import recomputable
+from dpcompile.second_backward_copies import MAX_CHAIN, MIN_NUMEL, _numel_hint, copy_for_second_backward
 
 from .context import DPPassContext
 
 aten = torch.ops.aten
 _C10D = torch.ops._c10d_functional
 COUNTER = "second_backward_gathers"
+VALUE_COUNTER = "second_backward_gathered_value_copies"
 # a gather chain: what fsdp_reshard recomputes in the backward (passes/fsdp_reshard._GATHER_CHAIN) and views
 _CHAIN_OPS = {
     _C10D.all_gather_into_tensor.default, _C10D.wait_tensor.default, aten.slice.Tensor, aten.constant_pad_nd.default,
@@ -71,39 +73,88 @@ def _gather_chain(gather: fx.Node) -> set[fx.Node] | None:
     return chain
 
 
+def _made_from_gathers(root: fx.Node, in_chain: dict, second: set) -> tuple[set, set] | None:
+    """root's pointwise ops and views down to gathered parameters (at least one), saved values and constants:
+    the ops to copy and the gather-chain nodes they read; None where root is made by anything else."""
+    pointwise: set[fx.Node] = set()
+    leaves: set[fx.Node] = set()
+    todo = [root]
+    while todo:
+        n = todo.pop()
+        if n in pointwise or n in leaves or n.op == "placeholder" or (n is not root and not n.all_input_nodes):
+            continue  # saved values and constants are read where they are
+        if n in in_chain:
+            leaves.add(n)
+            continue
+        if n in second or not recomputable(n):
+            return None
+        pointwise.add(n)
+        # the uneven shard's pad and slice are chain nodes, not counted here: every rank decides alike
+        if len(pointwise) > MAX_CHAIN:
+            return None
+        todo.extend(n.all_input_nodes)
+    return (pointwise, leaves) if leaves else None
+
+
 def second_backward_gathers_pass(bw: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
-    """Copies each gather chain whose value both backwards read into the second backward."""
+    """Gives the second backward its own gathers of what it reads of the gathered parameters, and its own copies
+    of the pointwise values made from them that both backwards read."""
     graph = bw.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     second = {n for n in nodes if n.meta.get(PHASE_KEY) == SECOND_BACKWARD}
     if not second:
         return bw  # one backward (bk, or no clipping): nothing is kept across backwards
-    plans = []
+    chains: list[set[fx.Node]] = []
+    in_chain: dict[fx.Node, int] = {}
     for gather in nodes:
-        if gather.target is not _C10D.all_gather_into_tensor.default or gather in second:
+        if gather.target is _C10D.all_gather_into_tensor.default and gather not in second:
+            if (chain := _gather_chain(gather)) is not None:
+                in_chain.update(dict.fromkeys(chain, len(chains)))
+                chains.append(chain)
+    # a pointwise value of gathered parameters both backwards read (a LayerNorm's x_hat * w + b, recomputed in
+    # the first backward): copied too, or it would be held across as the gathered parameters were
+    values = []
+    for root in nodes:
+        if root.op != "call_function" or root in second or root in in_chain or _numel_hint(root) < MIN_NUMEL:
             continue
-        chain = _gather_chain(gather)
-        if chain is None:
-            continue
-        readers = [u for n in chain for u in n.users if u not in chain]
-        later = [u for u in readers if u in second]
-        if not later or len(later) == len(readers):
-            continue  # read by one backward only: nothing is held across them
-        plans.append((min(order[u] for u in later), order[gather], chain))
-    for _, _, chain in sorted(plans, key=lambda p: p[:2]):
-        later = {u for n in chain for u in n.users if u not in chain and u in second}
-        needed, todo = set(), [n for n in chain if any(u in later for u in n.users)]
+        later = [u for u in root.users if u in second]
+        if later and len(later) < len(root.users) and (made := _made_from_gathers(root, in_chain, second)):
+            values.append((min(order[u] for u in later), root, *made))
+    # where the second backward first needs each chain node: read directly, or through a value's copy
+    demand: dict[fx.Node, int] = {}
+    for chain in chains:
+        for n in chain:
+            for u in n.users:
+                if u in second and u not in chain:
+                    demand[n] = min(demand.get(n, len(nodes)), order[u])
+    for first, _, _, leaves in values:
+        for n in leaves:
+            demand[n] = min(demand.get(n, len(nodes)), first)
+    plans = []
+    for chain in chains:
+        if wanted := [n for n in chain if n in demand]:
+            gather = next(n for n in chain if n.target is _C10D.all_gather_into_tensor.default)
+            plans.append((min(demand[n] for n in wanted), order[gather], chain, wanted))
+    copies: dict[fx.Node, fx.Node] = {}
+    for first, _, chain, wanted in sorted(plans, key=lambda p: p[:2]):
+        needed, todo = set(), list(wanted)
         while todo:  # the chain's nodes the second backward's reads come from (not a view only the first reads)
             n = todo.pop()
             if n not in needed:
                 needed.add(n)
                 todo.extend(a for a in n.all_input_nodes if a in chain)
-        done = copy_for_second_backward(graph, needed, later, order)
-        for u in later:
-            for n in needed:
-                u.replace_input_with(n, done[n])
+        copies.update(copy_for_second_backward(graph, needed, [nodes[first]], order))
+        for n in wanted:
+            for u in list(n.users):
+                if u in second and u not in chain:
+                    u.replace_input_with(n, copies[n])
         ctx.counters[COUNTER] += 1
+    for first, root, pointwise, _ in sorted(values, key=lambda v: (v[0], order[v[1]])):
+        done = copy_for_second_backward(graph, pointwise, [nodes[first]], order, inputs=copies)
+        for u in [u for u in root.users if u in second]:
+            u.replace_input_with(root, done[root])
+        ctx.counters[VALUE_COUNTER] += 1
     if plans:
         graph.lint()
         bw.recompile()

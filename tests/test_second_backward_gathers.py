@@ -7,7 +7,7 @@ import dpcompile
 from dpcompile import backend as dp_backend
 from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD
 from dpcompile.passes import Pass
-from dpcompile.passes.second_backward_gathers import COUNTER, _gather_chain
+from dpcompile.passes.second_backward_gathers import COUNTER, VALUE_COUNTER, _gather_chain
 
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 
@@ -54,12 +54,13 @@ def _compile_sharded_gpt(mesh, *, d: int, schedule: str, reshard: bool = True, d
     return record
 
 
-def _sharded_backward(monkeypatch, mesh, schedule: str, disable: tuple[str, ...]):
+def _sharded_backward(monkeypatch, mesh, schedule: str, disable: tuple[str, ...] = (), reshard: bool = True,
+                      d: int = 8):
     """The partitioned backward graph (after the backward passes) of the sharded GPT, and the compile's counters."""
     captured = []
     monkeypatch.setattr(dp_backend, "BACKWARD_PASSES", dp_backend.BACKWARD_PASSES + (
         Pass("capture", lambda gm, ctx: captured.append(gm) or gm),))
-    record = _compile_sharded_gpt(mesh, d=8, schedule=schedule, disable=disable)
+    record = _compile_sharded_gpt(mesh, d=d, schedule=schedule, disable=disable, reshard=reshard)
     (bw,) = captured
     return bw, record.counters
 
@@ -127,3 +128,24 @@ def test_resharding_saves_no_more_activations(monkeypatch, fake_world, schedule)
     assert zero3 == zero2
     # 2 blocks x 2 LayerNorms + the final one, each a weight and a bias reader
     assert counters["reshard_readers_recomputed"] >= 2 * 5, counters
+
+
+def _first_backward_values_the_second_reads(bw) -> list[str]:
+    """The shapes of the values the first backward makes that the second backward reads (held across)."""
+    second = {n for n in bw.graph.nodes if n.meta.get(PHASE_KEY) == SECOND_BACKWARD}
+    return sorted(str(tuple(n.meta["val"].shape)) for n in bw.graph.nodes
+                  if n.op == "call_function" and n not in second and any(u in second for u in n.users)
+                  and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def test_resharding_holds_nothing_more_across_ghost_backwards(monkeypatch, fake_world):
+    """ZeRO-3 ghost's first backward hands its second backward the same values as ZeRO-2's: a value made from
+    gathered parameters by pointwise ops (a LayerNorm's affine output, recomputed in the first backward), which
+    ZeRO-2's second backward makes again from saved values, is made again from its own gathers (before: held
+    across, 5 LayerNorm outputs more here)."""
+    # width 64: values large enough for the second backward's copies (second_backward_copies.MIN_NUMEL)
+    zero3, counters = _sharded_backward(monkeypatch, fake_world, "ghost", reshard=True, d=64)
+    monkeypatch.undo()
+    zero2, _ = _sharded_backward(monkeypatch, fake_world, "ghost", reshard=False, d=64)
+    assert _first_backward_values_the_second_reads(zero3) == _first_backward_values_the_second_reads(zero2)
+    assert counters[VALUE_COUNTER] >= 5, counters  # 2 blocks x 2 LayerNorms + the final one

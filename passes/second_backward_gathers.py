@@ -12,14 +12,22 @@ ZeRO-2, for the communication of ZeRO-3.
 Run on the partitioned backward: each gather chain of the backward (the
 all-gather of a saved shard, its wait, and the uneven shard's pad and slice,
 views and the mixed-precision cast around it) whose gathered value is read
-by both backwards is copied, whole, to just before its first reader in the
-second backward, which reads the copy. The first backward's gathered value
-then dies at its last read there, as in bk's single backward.
+by both backwards is copied (what the second backward reads of it) to just
+before its first reader in the second backward, which reads the copy. The
+first backward's gathered value then dies at its last read there, as in
+bk's single backward. A value pointwise ops make from gathered parameters
+that both backwards read (a LayerNorm's affine output, which fsdp_reshard
+recomputes in the first backward) is copied the same way, reading the
+second backward's gathers: a ZeRO-2 step's second backward makes it again
+from saved values (second_backward_copies), and holding it would keep one
+activation per LayerNorm across.
 
 Every rank must issue the same all-gathers in the same order: the choice
 rests on which ops of each backward read a gathered parameter (the model's
-structure, the same on every rank), never on sizes or costs, and the copies
-are issued in the order of their first readers, then of the original gathers.
+structure, the same on every rank) and on sizes every rank shares (a batch-
+sized value, a whole parameter's), never on a rank's shard or costs, and the
+copies are issued in the order of their first readers, then of the original
+gathers.
 """
 from __future__ import annotations
 

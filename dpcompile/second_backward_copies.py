@@ -27,7 +27,7 @@ MAX_CHAIN = 12  # ops per copied chain: longer ones cost more arithmetic than th
 MIN_NUMEL = 1 << 16  # smaller values are not worth a recompute
 
 
-def _numel_hint(n: fx.Node) -> int:
+def numel_hint(n: fx.Node) -> int:
     v = n.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return 0
@@ -85,7 +85,7 @@ def copy_shared_values_into_second_backward(bw: fx.GraphModule, counters: dict |
         return 0
     copied = 0
     for root in nodes:
-        if root.op != "call_function" or root in second or _numel_hint(root) < MIN_NUMEL:
+        if root.op != "call_function" or root in second or numel_hint(root) < MIN_NUMEL:
             continue
         readers = [u for u in root.users if u in second]
         if not readers or len(readers) == len(root.users):

@@ -44,7 +44,7 @@ _GATHER_CHAIN = {
 }
 
 
-def _in_chain(n: fx.Node) -> bool:
+def in_gather_chain(n: fx.Node) -> bool:
     """Ops of a gather chain: free to recompute, and they do not keep the gathered parameter alive."""
     if n.op != "call_function":
         return False
@@ -63,7 +63,7 @@ def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
         chain: set[fx.Node] = set()
         while frontier:
             n = frontier.pop()
-            if n in chain or not _in_chain(n):
+            if n in chain or not in_gather_chain(n):
                 continue
             chain.add(n)
             if n.target in (_C10D.all_gather_into_tensor.default, aten.constant_pad_nd.default) or any(
@@ -75,13 +75,13 @@ def fsdp_reshard_pass(gm: fx.GraphModule, ctx: DPPassContext) -> fx.GraphModule:
         recomputed = {n for n in chain if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
         ctx.counters["reshard_after_forward_nodes"] += len(recomputed)
         gathered |= recomputed
-    readers = [u for n in gm.graph.nodes if n in gathered for u in n.users
-               if u not in gathered and u not in backward and u.op == "call_function" and "recompute" not in u.meta]
-    again = _recomputed_readers(dict.fromkeys(readers), backward)
+    readers = dict.fromkeys(u for n in gm.graph.nodes if n in gathered for u in n.users if u not in gathered and
+                            u not in backward and u.op == "call_function" and "recompute" not in u.meta)
+    again = _recomputed_readers(readers, backward)
     for n in again:
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         n.meta["ac_graph_id"] = 0
-    for user in dict.fromkeys(readers):
+    for user in readers:
         if user in again:
             ctx.counters["reshard_readers_recomputed"] += 1
         else:
@@ -103,7 +103,7 @@ def _recomputed_readers(readers: dict[fx.Node, None], backward: set[fx.Node]) ->
         if n not in paths:
             found: set[fx.Node] = {n} if any(w in backward for w in n.users) else set()
             for w in n.users:
-                if w in backward or w.op != "call_function" or ("recompute" in w.meta and w not in cheap):
+                if w in backward or w.op != "call_function" or "recompute" in w.meta:  # a reader has none yet
                     continue
                 if w in cheap or (recomputable(w) and w.target.is_view):
                     if sub := path(w):

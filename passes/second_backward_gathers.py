@@ -36,25 +36,19 @@ import torch.fx as fx
 
 from dpcompile.buffer_reuse import PHASE_KEY, SECOND_BACKWARD
 from dpcompile.fx_utils import recomputable
-from dpcompile.second_backward_copies import MAX_CHAIN, MIN_NUMEL, _numel_hint, copy_for_second_backward
+from dpcompile.second_backward_copies import MAX_CHAIN, MIN_NUMEL, copy_for_second_backward, numel_hint
 
 from .context import DPPassContext
+from .fsdp_reshard import in_gather_chain
 
-aten = torch.ops.aten
 _C10D = torch.ops._c10d_functional
 COUNTER = "second_backward_gathers"
 VALUE_COUNTER = "second_backward_gathered_value_copies"
-# a gather chain: what fsdp_reshard recomputes in the backward (passes/fsdp_reshard._GATHER_CHAIN) and views
-_CHAIN_OPS = {
-    _C10D.all_gather_into_tensor.default, _C10D.wait_tensor.default, aten.slice.Tensor, aten.constant_pad_nd.default,
-    aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.alias.default,
-}
 
 
 def _chain_op(n: fx.Node) -> bool:
-    if n.op != "call_function" or n.meta.get(PHASE_KEY) == SECOND_BACKWARD:
-        return False
-    return n.target in _CHAIN_OPS or bool(getattr(n.target, "is_view", False))
+    """An op of a first-backward gather chain: what fsdp_reshard recomputes in the backward."""
+    return n.meta.get(PHASE_KEY) != SECOND_BACKWARD and in_gather_chain(n)
 
 
 def _gather_chain(gather: fx.Node) -> set[fx.Node] | None:
@@ -81,7 +75,7 @@ def _gather_chain(gather: fx.Node) -> set[fx.Node] | None:
     return chain
 
 
-def _made_from_gathers(root: fx.Node, in_chain: dict, second: set) -> tuple[set, set] | None:
+def _made_from_gathers(root: fx.Node, in_chain: set, second: set) -> tuple[set, set] | None:
     """root's pointwise ops and views down to gathered parameters (at least one), saved values and constants:
     the ops to copy and the gather-chain nodes they read; None where root is made by anything else."""
     pointwise: set[fx.Node] = set()
@@ -114,17 +108,16 @@ def second_backward_gathers_pass(bw: fx.GraphModule, ctx: DPPassContext) -> fx.G
     if not second:
         return bw  # one backward (bk, or no clipping): nothing is kept across backwards
     chains: list[set[fx.Node]] = []
-    in_chain: dict[fx.Node, int] = {}
     for gather in nodes:
         if gather.target is _C10D.all_gather_into_tensor.default and gather not in second:
             if (chain := _gather_chain(gather)) is not None:
-                in_chain.update(dict.fromkeys(chain, len(chains)))
                 chains.append(chain)
+    in_chain = set().union(*chains)
     # a pointwise value of gathered parameters both backwards read (a LayerNorm's x_hat * w + b, recomputed in
     # the first backward): copied too, or it would be held across as the gathered parameters were
     values = []
     for root in nodes:
-        if root.op != "call_function" or root in second or root in in_chain or _numel_hint(root) < MIN_NUMEL:
+        if root.op != "call_function" or root in second or root in in_chain or numel_hint(root) < MIN_NUMEL:
             continue
         later = [u for u in root.users if u in second]
         if later and len(later) < len(root.users) and (made := _made_from_gathers(root, in_chain, second)):

@@ -29,15 +29,13 @@ def fake_world():
 
 def _compile_sharded_gpt(mesh, *, d: int, schedule: str, reshard: bool = True, disable: tuple[str, ...] = ()):
     """Compiles one step of a 2-block GPT of width d sharded as rank 0 of 2 (fake process group); its record."""
+    import dist_worker
     import models as M
 
     torch._dynamo.reset()
     try:
         torch.manual_seed(0)
-        model = M.GPT(d=d, n_head=2, n_layer=2)
-        for b in model.blocks:
-            dpcompile.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
-        dpcompile.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        model = dist_worker.shard(M.GPT(d=d, n_head=2, n_layer=2), mesh, reshard)
         backend = dpcompile.DPBackend(max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
                                       schedule=schedule, compiler="eager", disable_passes=disable)
 
